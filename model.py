@@ -1,0 +1,203 @@
+"""
+A GPT-2 language model, nanoGPT-compatible (same config names, same parameter names, tied embeddings).
+
+nanozero's ZeRO code never looks inside this file: it sees a list of parameters and, for stage 3,
+the list of transformer blocks. Anything a user swaps in for this model must only keep that contract.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for faster matmuls
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linears and LayerNorms, like GPT-2; False is a bit better and faster
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias (torch's nn.LayerNorm cannot turn the bias off alone)."""
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must be divisible by n_head"
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+
+    def forward(self, x):
+        B, T, C = x.size()  # batch, sequence length, embedding dim
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads: (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """One pre-LN transformer block: the unit that ZeRO-3 gathers and frees as a whole."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.vocab_size is not None and config.block_size is not None
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying: one Parameter serves as the input embedding and the output projection.
+        # named_parameters() lists it once (as transformer.wte.weight); autograd sums both uses into
+        # one .grad, and the ZeRO layout must therefore hold it exactly once.
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        # GPT-2 init: residual projections scaled by 1/sqrt(2 * n_layer), one per residual branch
+        for pn, p in self.named_parameters():
+            if pn.endswith('c_proj.weight'):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def get_num_params(self, non_embedding=True):
+        """Parameter count. The position embedding is subtracted by default (as in nanoGPT); the token
+        embedding is not, because it is also the lm_head weight and does real work in the last layer."""
+        n_params = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n_params -= self.transformer.wpe.weight.numel()
+        return n_params
+
+    def forward(self, idx, targets=None):
+        B, T = idx.size()
+        assert T <= self.config.block_size, f"sequence of length {T} > block_size {self.config.block_size}"
+        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)  # (B, T, vocab_size)
+            # the loss in fp32 whatever the compute dtype: bf16 log-softmax over 50k classes is lossy
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits = self.lm_head(x[:, [-1], :])  # inference: only the last position, (B, 1, vocab_size)
+            loss = None
+        return logits, loss
+
+    @staticmethod
+    def decays(param):
+        """Weight decay as users expect: matmul and embedding weights (>= 2-D) decay, biases and
+        LayerNorm gains do not. ZeRO applies this per element of a flat shard, so it is a rule on
+        the parameter, not a list of param groups."""
+        return param.dim() >= 2
+
+    def param_groups(self, weight_decay):
+        """The two AdamW param groups of nanoGPT, for torch optimizers (stage 0 and the oracles)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [
+            {'params': [p for p in params if self.decays(p)], 'weight_decay': weight_decay},
+            {'params': [p for p in params if not self.decays(p)], 'weight_decay': 0.0},
+        ]
+
+    def flops_per_token(self):
+        """Training FLOPs per token: 6N for the matmuls with N params (2 forward + 4 backward), plus
+        the attention scores and values, 12 * n_layer * n_embd * T (PaLM appendix B)."""
+        N = self.get_num_params()
+        cfg = self.config
+        return 6 * N + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+    def estimate_mfu(self, tokens_per_second, peak_flops):
+        """Model FLOPs utilization: achieved FLOP/s over the device's peak. None when the peak is
+        unknown (on CPU we report nothing rather than invent a peak)."""
+        if not peak_flops:
+            return None
+        return self.flops_per_token() * tokens_per_second / peak_flops
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Extend idx (B, T) by max_new_tokens tokens, sampling each from the softmax over the
+        last position (crop the context to block_size when it grows past it)."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :].float() / temperature  # (B, vocab_size)
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float('Inf')
+            probs = F.softmax(logits, dim=-1)
+            idx_next = torch.multinomial(probs, num_samples=1)  # (B, 1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+
+def peak_flops(device):
+    """Dense bf16 peak FLOP/s of the current GPU, for MFU; None where unknown (CPU, unlisted GPUs)."""
+    if device.type != 'cuda':
+        return None
+    name = torch.cuda.get_device_name(device)
+    table = {'H100': 989e12, 'H200': 989e12, 'H800': 989e12, 'A100': 312e12, 'A800': 312e12,
+             'L40S': 362e12, '4090': 165e12, 'A10G': 70e12}
+    for key, flops in table.items():
+        if key in name:
+            return flops
+    return None
