@@ -1,0 +1,120 @@
+"""
+Benchmarks, one mode per idea:
+
+    python bench.py kernels                                # fused AdamW step vs torch, CPU sizes 1M..64M
+    python bench.py kernels --device cuda                  # GPU sizes 1M..256M
+    python bench.py kernels --sizes 1M,16M --device cpu
+
+kernels: for each flat shard size n, time kernels.adamw_step (fp32 master/m/v, fp32 grad, bf16 param out)
+against the best torch offers on the same buffers: torch.optim.AdamW(fused=True) stepping the fp32 master,
+plus the `param.copy_(master)` cast to bf16 that it needs afterwards (and the foreach path, for context).
+"""
+import argparse
+import functools
+import time
+
+import torch
+
+import kernels
+
+# ----------------------------------------------------------------------------
+# timing
+
+
+def time_ms(fns, device, repeats=10, warmup=3):
+    """Median wall time in ms of each fn in the dict fns: CUDA events on GPU, perf_counter on CPU. The fns take
+    turns, so a machine that slows down for a while (shared CPUs) slows all of them alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def parse_size(s):
+    """'16M' -> 16 * 2**20, '4K' -> 4096, '1000' -> 1000."""
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1].upper(), 1)
+    return int(float(s[:-1] if scale > 1 else s) * scale)
+
+# ----------------------------------------------------------------------------
+# mode: kernels
+
+
+def copy_bandwidth(device, n):
+    """GB/s of dst.copy_(src) over n fp32 elements, counting the read and the write (8 B/elem)."""
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    return 8 * n / time_ms({"copy": lambda: dst.copy_(src)}, device)["copy"] / 1e6
+
+
+def bench_kernels(args):
+    device = torch.device(args.device)
+    sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else \
+        [2**20 * k for k in ((1, 4, 16, 64, 256) if device.type == "cuda" else (1, 4, 16, 64))]
+    impl = kernels.resolve_impl("auto", device)
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    copy_gbs = copy_bandwidth(device, max(sizes + [2**26]))  # >= 256 MB each way: bigger than any cache
+    print(f"device {device} ({torch.get_num_threads()} threads)" if device.type == "cpu" else
+          f"device {torch.cuda.get_device_name(device)}", f"| impl {impl} | copy bandwidth {copy_gbs:.1f} GB/s")
+    print(f"{'n':>11} {'MB moved':>9} {'ours ms':>9} {'GB/s':>7} {'of copy':>8} "
+          f"{'torch fused+cast ms':>20} {'ratio':>6} {'torch foreach+cast ms':>22} {'ratio':>6}")
+    for n in sizes:
+        torch.manual_seed(0)
+        master = torch.randn(n, device=device)
+        grad = torch.randn(n, device=device)
+        exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+        param = torch.empty(n, device=device, dtype=torch.bfloat16)
+        found_inf = torch.zeros(1, device=device)
+        decay_numel = n * 3 // 4  # most of a real shard is >= 2-D weights
+
+        def ours():
+            kernels.adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, decay_numel=decay_numel,
+                               step=10, grad_scale=0.5, impl=impl, **hp)
+
+        def torch_step(opt):
+            opt.step()
+            param.copy_(master)  # the bf16 cast that torch's step leaves to do
+
+        # torch on the same buffers: the master is the Parameter, each optimizer keeps its own m and v
+        p = torch.nn.Parameter(master)
+        p.grad = grad
+        fns = {"ours": ours}
+        for variant in ("fused", "foreach"):
+            opt = torch.optim.AdamW([p], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                                    weight_decay=hp["weight_decay"], fused=variant == "fused",
+                                    foreach=variant == "foreach")
+            fns[variant] = functools.partial(torch_step, opt)
+        ms = time_ms(fns, device)
+        # 8 master + 8 exp_avg + 8 exp_avg_sq (read + write) + 4 grad read + 2 bf16 param write = 30 B/elem
+        moved = n * (24 + grad.element_size() + param.element_size())
+        gbs = moved / ms["ours"] / 1e6
+        print(f"{n:>11,} {moved / 1e6:>9.0f} {ms['ours']:>9.2f} {gbs:>7.1f} {gbs / copy_gbs:>8.2f} "
+              f"{ms['fused']:>20.2f} {ms['ours'] / ms['fused']:>6.2f} "
+              f"{ms['foreach']:>22.2f} {ms['ours'] / ms['foreach']:>6.2f}")
+        del master, grad, exp_avg, exp_avg_sq, param, p, fns
+
+# ----------------------------------------------------------------------------
+# the dispatcher: one entry per mode, each a function taking the parsed args
+
+MODES = {"kernels": bench_kernels}
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=sorted(MODES))
+    parser.add_argument("--sizes", default=None, help="comma-separated shard sizes, e.g. 1M,4M,16M")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    args = parser.parse_args()
+    MODES[args.mode](args)

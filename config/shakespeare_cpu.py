@@ -1,0 +1,23 @@
+# torchrun --standalone --nproc_per_node=2 train.py config/shakespeare_cpu.py
+# A small GPT on the Shakespeare plays, on a laptop CPU: 2 gloo ranks, a few minutes, val loss 10.8 -> < 6.
+out_dir = 'out-shakespeare-cpu'
+eval_interval = 50
+eval_iters = 10
+log_interval = 10
+dataset = 'shakespeare'
+gradient_accumulation_steps = 2  # 1 micro-step per rank at 2 ranks
+batch_size = 8
+block_size = 128
+n_layer = 4
+n_head = 4
+n_embd = 128
+dropout = 0.0
+learning_rate = 2e-3
+max_iters = 250
+lr_decay_iters = 250
+warmup_iters = 20
+min_lr = 2e-4
+device = 'cpu'
+dtype = 'float32'  # bf16 matmuls are slow on most CPUs
+zero_stage = 2
+bucket_mb = 4.0

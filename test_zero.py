@@ -1,0 +1,290 @@
+"""
+The spec of nanozero as tests: the model, the config, the data, and every ZeRO stage against oracles
+(a single process, torch DDP, torch FSDP2) on CPU with gloo.
+
+    python -m pytest -q
+
+The oracle harness: run_ranks(world_size, jobs) spawns world_size gloo ranks once and runs a list of
+jobs in them; each job trains a tiny GPT for a few steps with a fixed seed and a fixed *global* batch (each
+rank takes its rows of it) and returns the per-step global losses, grad norms and the final fp32 params.
+Tolerances: two correct fp32 implementations agree to ~1e-7 relative here (only the order of float
+additions differs); every tolerance below is ~100x that, and the deliberate bugs listed in the README's
+"How we know the tests bite" change these numbers by 1e-3 or more.
+"""
+import datetime
+import functools
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import train
+import zero
+from model import GPT, GPTConfig
+
+TINY = dict(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=97, bias=True, dropout=0.0)  # odd sizes
+LR, STEPS, B, T = 3e-3, 5, 2, 16
+
+# -----------------------------------------------------------------------------
+# the harness
+
+
+def _rank_main(rank, world_size, init_file, out_dir, jobs):
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))  # a hang fails the test instead
+    results = []
+    for job in jobs:
+        try:
+            results.append(run_job(rank, world_size, **job))
+        except Exception as e:  # report, and keep the ranks in step for the next job
+            results.append(e)
+    torch.save(results, os.path.join(out_dir, f'rank{rank}.pt'))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_ranks(world_size, jobs):
+    """Run jobs (dicts of run_job's keyword arguments) on world_size fresh gloo ranks; per job, rank 0's result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank_main, args=(world_size, os.path.join(tmp, 'init'), tmp, jobs), nprocs=world_size)
+        return torch.load(os.path.join(tmp, 'rank0.pt'), weights_only=False)
+
+
+class TorchEngine:
+    """The oracles' side of train.train_step's engine interface: torch optimizers, clip_grad_norm_."""
+
+    def __init__(self, module, model, grad_clip):
+        self.module, self.params, self.grad_clip = module, [p for p in model.parameters() if p.requires_grad], grad_clip
+        self.optimizer = torch.optim.AdamW(model.param_groups(0.1), lr=LR, betas=(0.9, 0.95), eps=1e-8)
+
+    def set_grad_sync(self, sync):
+        pass  # a single process has nothing to sync; FSDP2 reduce-scatters every micro-step
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self, lr):
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float('inf'))
+        norm = norm.full_tensor() if hasattr(norm, 'full_tensor') else norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm.item()
+
+
+def make_engine(kind, model, grad_clip, **zero_kw):
+    if kind == 'single':
+        return TorchEngine(model, model, grad_clip)
+    if kind == 'fsdp2':
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for block in model.transformer.h:
+            fully_shard(block, mp_policy=mp_policy)
+        fully_shard(model, mp_policy=mp_policy)
+        return TorchEngine(model, model, grad_clip)
+    stage = {'ddp': 0, 'zero1': 1, 'zero2': 2, 'zero3': 3}[kind]
+    cfg = zero.ZeroConfig(stage=stage, param_dtype=torch.float32, grad_clip=grad_clip, **zero_kw)
+    return zero.build_engine(model, cfg, units=list(model.transformer.h))
+
+
+def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, model_kw=None, **zero_kw):
+    """Train TINY for `steps` steps; accum is the global number of micro-batches per step. Returns
+    dict(losses, norms, params, engine info) as seen by this rank."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**TINY, **(model_kw or {})}))
+    engine = make_engine(kind, model, grad_clip, **zero_kw)
+    data = torch.Generator().manual_seed(1234)
+    losses, norms = [], []
+    local = accum // world_size
+    for _ in range(steps):
+        x = torch.randint(TINY['vocab_size'], (accum, B, T + 1), generator=data)  # the global batch
+        mine = x[rank * local:(rank + 1) * local]  # this rank's micro-batches
+        loss, norm = train.train_step(engine, [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in mine], LR, nullcontext())
+        loss = loss.reshape(1)
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world_size)
+        norms.append(norm)
+    if kind in ('single', 'fsdp2'):
+        params = {n: (p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().clone() for n, p in model.state_dict().items()}
+    else:
+        params = engine.full_state_dict()
+    info = {}
+    if kind.startswith('zero'):
+        info = dict(populations=engine.populations(), psi=engine.psi, comm=dict(engine.comm.numel),
+                    shard_numel=engine.master_shard.numel(), padded=sum(b.padded_numel for b in engine.buckets),
+                    peak_grad_buffers=engine.peak_grad_buffers)
+        if kind == 'zero3':
+            info['peak_live'] = engine.units[0].schedule.peak_live
+    return dict(losses=losses, norms=norms, params=params, **info)
+
+
+def assert_same_run(a, b, rtol=1e-5, atol=1e-6):
+    """Step-by-step losses, pre-clip grad norms, and every final parameter."""
+    torch.testing.assert_close(torch.tensor(a['losses']), torch.tensor(b['losses']), rtol=rtol, atol=atol)
+    torch.testing.assert_close(torch.tensor(a['norms']), torch.tensor(b['norms']), rtol=rtol, atol=atol)
+    assert a['params'].keys() == b['params'].keys()
+    for name in a['params']:
+        torch.testing.assert_close(a['params'][name], b['params'][name], rtol=rtol, atol=atol, msg=name)
+
+
+@functools.lru_cache(maxsize=None)
+def oracle_runs(world_size):
+    """One spawn per world size: the oracles and every stage, with and without accumulation."""
+    accums = (world_size, 2 * world_size)  # 1 and 2 micro-steps per rank
+    jobs = [dict(kind=kind, accum=a) for a in accums for kind in ('ddp', 'zero1', 'zero2', 'zero3', 'fsdp2')]
+    jobs += [dict(kind='zero3', accum=accums[1], prefetch=d, reshard_after_forward=r) for d in (0, 2) for r in (True, False)]
+    jobs += [dict(kind='zero2', accum=accums[1], bucket_mb=0.001)]  # tiny buckets: one param per bucket
+    results = run_ranks(world_size, jobs)
+    for job, result in zip(jobs, results):
+        if isinstance(result, Exception):
+            raise AssertionError(f"job {job} failed on rank 0") from result
+    return {tuple(sorted(job.items())): result for job, result in zip(jobs, results)}
+
+
+def get(world_size, **job):
+    return oracle_runs(world_size)[tuple(sorted(job.items()))]
+
+# -----------------------------------------------------------------------------
+# the model
+
+
+def test_model_forward_shapes_and_tied_weights_share_storage():
+    model = GPT(GPTConfig(**TINY))
+    assert model.transformer.wte.weight is model.lm_head.weight
+    assert model.transformer.wte.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    names = [n for n, _ in model.named_parameters()]
+    assert 'lm_head.weight' not in names and 'transformer.wte.weight' in names  # listed once
+    x = torch.randint(97, (2, 16))
+    logits, loss = model(x, x)
+    assert logits.shape == (2, 16, 97) and loss.shape == ()
+    logits, loss = model(x)
+    assert logits.shape == (2, 1, 97) and loss is None
+    assert model.generate(x[:, :4], max_new_tokens=20).shape == (2, 24)  # grows past block_size
+
+
+def test_init_loss_is_about_ln_vocab():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=50304))
+    x = torch.randint(50304, (4, 32))
+    _, loss = model(x, x)
+    assert abs(loss.item() - math.log(50304)) < 0.1  # 10.83 at init: near-uniform predictions
+
+
+def test_weight_decay_split_decays_matrices_not_biases_or_norms():
+    model = GPT(GPTConfig(**TINY))
+    decay, no_decay = model.param_groups(0.1)
+    assert all(p.dim() >= 2 for p in decay['params']) and decay['weight_decay'] == 0.1
+    assert all(p.dim() == 1 for p in no_decay['params']) and no_decay['weight_decay'] == 0.0
+    assert len(decay['params']) + len(no_decay['params']) == len(list(model.parameters()))
+
+
+def test_mfu_is_none_without_a_known_peak():
+    model = GPT(GPTConfig(**TINY))
+    assert model.estimate_mfu(1e5, None) is None
+    assert 0 < model.estimate_mfu(1e5, 1e12) < 1
+
+# -----------------------------------------------------------------------------
+# the config
+
+
+def test_config_file_and_override_are_applied_and_type_checked(tmp_path):
+    cfg_file = tmp_path / 'c.py'
+    cfg_file.write_text("n_layer = 2\nlearning_rate = 1e-3\n")
+    cfg = train.parse_config([str(cfg_file), '--n_layer=3', '--dataset=foo', '--bias=True', '--grad_clip=2'])
+    assert (cfg['n_layer'], cfg['learning_rate'], cfg['dataset'], cfg['bias'], cfg['grad_clip']) == (3, 1e-3, 'foo', True, 2.0)
+    with pytest.raises(TypeError, match='n_layer takes a int'):
+        train.parse_config(['--n_layer=2.5'])
+
+
+def test_unknown_config_key_is_an_error_naming_the_closest_keys(tmp_path):
+    with pytest.raises(ValueError, match="unknown config key 'n_layers'.*n_layer"):
+        train.parse_config(['--n_layers=2'])
+    bad = tmp_path / 'bad.py'
+    bad.write_text("learning_rat = 1.0\n")
+    with pytest.raises(ValueError, match="learning_rat.*learning_rate"):
+        train.parse_config([str(bad)])
+    out = subprocess.run([sys.executable, 'train.py', '--no_such_key=1'], capture_output=True, text=True)
+    assert out.returncode != 0 and "no_such_key" in out.stderr
+
+
+@pytest.mark.parametrize('override, message', [
+    ('--zero_stage=4', 'zero_stage=4 is not a ZeRO stage'), ('--bucket_mb=0.0', 'bucket_mb=0.0 must be > 0'),
+    ('--prefetch=-1', 'prefetch=-1'), ('--gradient_accumulation_steps=3', 'divisible by the 2 ranks')])
+def test_impossible_settings_are_clear_errors(override, message):
+    cfg = train.parse_config([override])
+    with pytest.raises(ValueError, match=message):
+        train.check_config(cfg, world_size=2)
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_lr():
+    cfg = dict(decay_lr=True, learning_rate=1.0, warmup_iters=10, lr_decay_iters=100, min_lr=0.1)
+    lrs = [train.get_lr(it, cfg) for it in range(120)]
+    assert lrs[0] < lrs[9] < lrs[10] == pytest.approx(1.0, abs=0.01)
+    assert lrs[55] == pytest.approx(0.55, abs=0.01) and lrs[100] == pytest.approx(0.1) and lrs[119] == 0.1
+
+# -----------------------------------------------------------------------------
+# the data
+
+
+def test_prepare_tokenizes_a_users_text_with_gpt2_bpe(tmp_path):
+    from data.shakespeare.prepare import gpt2_encoding, prepare
+    enc = gpt2_encoding()
+    assert enc.encode_ordinary('Hello world') == [15496, 995]  # GPT-2's ids
+    text = tmp_path / 'mine.txt'
+    text.write_text('To be, or not to be, that is the question.\n' * 50)
+    meta = prepare(str(tmp_path / 'out'), str(text))
+    train_ids = train.load_split(str(tmp_path / 'out'), 'train')
+    val_ids = train.load_split(str(tmp_path / 'out'), 'val')
+    assert len(train_ids) == meta['train_tokens'] and len(val_ids) == meta['val_tokens'] > 0
+    assert 8 * len(val_ids) < len(train_ids) < 10 * len(val_ids)  # a 90/10 split
+    assert enc.decode(train_ids[:11].tolist()) == 'To be, or not to be, that is the question.'
+
+# -----------------------------------------------------------------------------
+# data parallelism against the oracles
+
+
+def test_ddp_on_two_ranks_matches_one_process_with_the_same_global_batch():
+    single = run_ranks(1, [dict(kind='single', accum=4)])[0]
+    assert_same_run(get(2, kind='ddp', accum=4), single)
+
+
+@pytest.mark.parametrize('world_size', [1, 2, 3, 4])
+@pytest.mark.parametrize('stage', [1, 2])
+def test_zero12_match_ddp_with_tied_embeddings_accumulation_and_clipping(world_size, stage):
+    for accum in (world_size, 2 * world_size):
+        ddp = get(world_size, kind='ddp', accum=accum)
+        assert max(ddp['norms']) > 0.05  # clipping (grad_clip=0.05) was active
+        assert_same_run(get(world_size, kind=f'zero{stage}', accum=accum), ddp)
+
+
+@pytest.mark.parametrize('world_size', [2, 3])
+def test_zero2_one_param_per_bucket_matches_ddp(world_size):
+    assert_same_run(get(world_size, kind='zero2', accum=2 * world_size, bucket_mb=0.001),
+                    get(world_size, kind='ddp', accum=2 * world_size))
+
+
+@pytest.mark.parametrize('world_size', [1, 2, 3, 4])
+def test_zero3_matches_ddp_and_fsdp2_with_tied_embeddings(world_size):
+    for accum in (world_size, 2 * world_size):
+        zero3 = get(world_size, kind='zero3', accum=accum)
+        assert_same_run(zero3, get(world_size, kind='ddp', accum=accum))
+        assert_same_run(zero3, get(world_size, kind='fsdp2', accum=accum))
+
+
+@pytest.mark.parametrize('world_size', [2, 3])
+def test_zero3_prefetch_depth_and_reshard_after_forward_do_not_change_numbers(world_size):
+    accum = 2 * world_size
+    base = get(world_size, kind='zero3', accum=accum)
+    for prefetch in (0, 2):
+        for reshard in (True, False):
+            other = get(world_size, kind='zero3', accum=accum, prefetch=prefetch, reshard_after_forward=reshard)
+            assert_same_run(other, base, rtol=0, atol=0)  # same math, same order: bit-identical
+            if reshard:
+                assert other['peak_live'] <= prefetch + 1  # unsharded block units at once
+    assert base['peak_live'] <= 2

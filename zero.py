@@ -1,0 +1,484 @@
+"""
+ZeRO, one idea in three steps, on one flat layout.
+
+Mixed-precision Adam keeps, per parameter, 2 bytes of bf16 param + 2 of grad + 12 of fp32 master, exp_avg
+and exp_avg_sq: 16 bytes, "2Ψ + 2Ψ + 12Ψ" for Ψ parameters. Plain data parallelism (stage 0) keeps all of
+it on every one of N ranks. ZeRO keeps each number on exactly one rank:
+
+    stage 1  shard the optimizer state      2Ψ + 2Ψ + 12Ψ/N     reduce-scatter grads + all-gather params = 2Ψ
+    stage 2  ... and the grads              2Ψ + (2Ψ + 12Ψ)/N   the same 2Ψ, reduced during backward
+    stage 3  ... and the params (fsdp_lite) 16Ψ/N               + an all-gather per block in fwd and bwd = 3Ψ
+
+(communication in elements per rank per step; a DDP all-reduce = reduce-scatter + all-gather = 2Ψ).
+The `Comm` object below counts what this code actually sends, so the training log shows those figures.
+
+Reading order: Comm (the collectives), Bucket (the flat layout), DataParallel (stage 0, the baseline),
+Zero (stages 1-3: state, grads, step). Stage 3's parameter gathering lives in fsdp_lite.py.
+"""
+import math
+import warnings
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import fsdp_lite
+import kernels
+
+# torch 2.13 renames these two collectives; the old names are what torch 2.11 (our GPU machines) has
+warnings.filterwarnings('ignore', message=r'`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated')
+
+# -----------------------------------------------------------------------------
+# The collectives, counted
+
+
+class Comm:
+    """The three collectives ZeRO needs, on one process group, counting the elements each one moves.
+    Convention of the ZeRO paper: reduce-scattering an n-element buffer, or all-gathering into one,
+    moves n elements per rank; an all-reduce is both, 2n. Divided by Ψ these are the table's figures."""
+
+    def __init__(self, process_group=None):
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.numel = Counter()  # collective kind -> elements moved since the caller last cleared it
+        self.bytes = Counter()
+
+    def count(self, kind, tensor, factor=1):
+        self.numel[kind] += factor * tensor.numel()
+        self.bytes[kind] += factor * tensor.numel() * tensor.element_size()
+
+    def all_gather(self, out, inp, async_op=False):
+        self.count('all_gather', out)
+        return dist.all_gather_into_tensor(out, inp, group=self.process_group, async_op=async_op)
+
+    def reduce_scatter(self, out, inp, async_op=False):
+        self.count('reduce_scatter', inp)
+        return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG, group=self.process_group,
+                                          async_op=async_op)
+
+    def all_reduce_sum(self, tensor):
+        self.count('all_reduce', tensor, factor=2)
+        dist.all_reduce(tensor, group=self.process_group)
+
+    def broadcast(self, tensor):
+        """Rank 0's values everywhere (start-up and checkpoints only, so not counted)."""
+        src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+        dist.broadcast(tensor, src=src, group=self.process_group)
+
+    def check_same(self, what, values):
+        """Fail fast, instead of hanging or training on garbage, if the ranks built different layouts."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        every = torch.empty(self.world_size * len(values), dtype=torch.int64)
+        dist.all_gather_into_tensor(every, mine, group=self.process_group)  # not counted: start-up only
+        for r, theirs in enumerate(every.view(self.world_size, -1).tolist()):
+            if theirs != values:
+                raise RuntimeError(f"rank {r} has a different {what} than rank {self.rank} ({theirs} vs {values}): "
+                                   "every rank must build the same model with the same config")
+
+# -----------------------------------------------------------------------------
+# The flat layout
+#
+# [Note: padding] A Bucket packs params into one 1-D buffer and pads it to a multiple of world_size, so
+# rank r's shard is the even slice flat.view(world_size, -1)[r] and one reduce_scatter_tensor /
+# all_gather_into_tensor moves the whole bucket. Example, world_size=3, params a (5 elements) and b (6):
+#     numel 11 -> padded_numel 12, shard_numel 4
+#     flat  = a0 a1 a2 a3 | a4 b0 b1 b2 | b3 b4 b5 pad
+#             rank 0        rank 1        rank 2
+# A param may straddle ranks (a, b): AdamW is elementwise, so nothing cares, except weight decay; hence
+# decayed params come first in a bucket and "decays" is one boundary, decay_numel = 5 + 6 here if both
+# decay. Pads get zero grads, so their master, exp_avg and exp_avg_sq stay 0 forever.
+# Stages 1 and 2 cut the model into buckets of ~bucket_mb in reverse registration order (roughly the
+# order backward produces grads); stage 3 uses one bucket per fsdp_lite unit. A rank's optimizer state
+# is the concatenation of its shards of every bucket, at bucket.shard_offset.
+
+
+class Bucket:
+
+    def __init__(self, params, world_size, rank, decays):
+        self.params = sorted(params, key=lambda p: not decays(p))  # stable: decayed first, order kept
+        sizes = [p.numel() for p in self.params]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.offset_of = {p: o for p, o in zip(self.params, self.offsets)}
+        self.numel = sum(sizes)
+        self.decay_numel = sum(n for p, n in zip(self.params, sizes) if decays(p))
+        self.padded_numel = math.ceil(self.numel / world_size) * world_size
+        self.shard_numel = self.padded_numel // world_size
+        self.world_size, self.rank = world_size, rank
+        self.shard_offset = None  # set by Zero: where this bucket's shard sits in the optimizer state
+        self.flat_grad = None  # (padded_numel,) in reduce_dtype while grads are being collected
+        self.ready = set()  # params whose grad is in flat_grad during this backward
+        self.unit = None  # stage 3: the fsdp_lite.Unit that owns the params
+
+    def views(self, flat):
+        """(param, the piece of flat that holds it, shaped like it) for every param of the bucket."""
+        return [(p, flat[o:o + p.numel()].view_as(p)) for p, o in zip(self.params, self.offsets)]
+
+    def shard(self, flat):
+        return flat.view(self.world_size, -1)[self.rank]  # (shard_numel,)
+
+    def pack(self, dtype):
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.params[0].device)
+        for p, view in self.views(flat):
+            view.copy_(p.detach())
+        return flat
+
+    @property
+    def shard_decay_numel(self):
+        """How many leading elements of this rank's shard get weight decay (see [Note: padding])."""
+        return min(max(self.decay_numel - self.rank * self.shard_numel, 0), self.shard_numel)
+
+    @property
+    def shard_slice(self):
+        return slice(self.shard_offset, self.shard_offset + self.shard_numel)
+
+
+def default_decays(param):
+    return param.dim() >= 2  # matmul and embedding weights decay; biases and norm gains do not
+
+
+def fingerprint(buckets):
+    """A few integers that differ if two ranks' layouts differ (crc32 is the same in every process)."""
+    shapes = repr([[tuple(p.shape) for p in b.params] for b in buckets]).encode()
+    return [len(buckets), sum(b.padded_numel for b in buckets), zlib.crc32(shapes)]
+
+# -----------------------------------------------------------------------------
+# Stage 0: the baseline every stage is measured against
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 1  # 0 = torch DDP + AdamW, 1/2/3 = ZeRO
+    param_dtype: torch.dtype = torch.bfloat16  # the compute params forward/backward read
+    reduce_dtype: torch.dtype = torch.float32  # grads are collected and reduce-scattered in this
+    bucket_mb: float = 25.0  # stage 1/2 bucket size (of reduce_dtype grads); stage 3 buckets = units
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # clip the global grad norm to this; 0 = off
+    optimizer_impl: str = 'auto'  # kernels.adamw_step: 'auto' | 'reference' | 'cpu' | 'cuda'
+    prefetch: int = 1  # stage 3: all-gathers kept in flight ahead of compute; 0 = off
+    reshard_after_forward: bool = True  # stage 3: free each block's params after its forward
+
+    def __post_init__(self):
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={self.stage} is not a ZeRO stage: use 0 (DDP), 1, 2 or 3")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0 (a bucket holds at least one param)")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch={self.prefetch} must be >= 0 (0 turns prefetching off)")
+
+
+class DataParallel:
+    """Stage 0: torch DDP all-reduces full grads (2Ψ sent), torch AdamW steps full fp32 params on every
+    rank. Params, grads, exp_avg, exp_avg_sq: 4 + 4 + 4 + 4 = 16Ψ bytes on every rank."""
+
+    def __init__(self, model, cfg, process_group=None):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        self.cfg, self.comm = cfg, Comm(process_group)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.psi = sum(p.numel() for p in self.params)
+        self.module = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
+
+        def counted_allreduce(comm, bucket):
+            comm.count('all_reduce', bucket.buffer(), factor=2)
+            return allreduce_hook(process_group, bucket)
+        self.module.register_comm_hook(self.comm, counted_allreduce)
+        groups = [{'params': [p for p in self.params if decay(p)], 'weight_decay': wd}
+                  for decay, wd in ((default_decays, cfg.weight_decay), (lambda p: not default_decays(p), 0.0))]
+        self.optimizer = torch.optim.AdamW(groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                           fused=self.params[0].is_cuda)
+        # params stay fp32 here; param_dtype is the autocast dtype, and float16 needs loss scaling
+        self.scaler = torch.amp.GradScaler(self.params[0].device.type, enabled=cfg.param_dtype == torch.float16)
+
+    def set_grad_sync(self, sync):
+        self.module.require_backward_grad_sync = sync  # False: keep accumulating locally, no all-reduce
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def step(self, lr):
+        self.scaler.unscale_(self.optimizer)
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float('inf')
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip).item()
+        for group in self.optimizer.param_groups:
+            group['lr'] = lr
+        self.scaler.step(self.optimizer)  # skipped if the grads hold inf/nan
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def populations(self):
+        p = self.params[0]
+        sizes = {'params': (p.dtype, self.psi), 'grads': (p.dtype, self.psi),
+                 'exp_avg': (torch.float32, self.psi), 'exp_avg_sq': (torch.float32, self.psi)}
+        return {k: (dt, n * dt.itemsize) for k, (dt, n) in sizes.items()}
+
+    def full_state_dict(self):
+        return {k: v.float() for k, v in self.module.module.state_dict().items()}
+
+    def state_dict(self):
+        return {'optimizer': self.optimizer.state_dict()}
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state['optimizer'])
+
+# -----------------------------------------------------------------------------
+# Stages 1, 2, 3
+
+
+class Zero:
+    """ZeRO-1/2/3 over `model`. units (stage 3 only) are the submodules that each become an fsdp_lite
+    unit, e.g. the transformer blocks; the params they do not hold form one more unit, the root."""
+
+    def __init__(self, model, cfg, units=(), process_group=None):
+        self.cfg, self.comm, self.model, self.module = cfg, Comm(process_group), model, model
+        W, rank = self.comm.world_size, self.comm.rank
+        params = [p for p in model.parameters() if p.requires_grad]  # tied params appear once
+        self.psi = sum(p.numel() for p in params)
+
+        # 1) the layout: buckets in the order backward fills them
+        if cfg.stage < 3:
+            self.buckets = plan_buckets(params[::-1], cfg.bucket_mb * 2**20 // cfg.reduce_dtype.itemsize, W, rank)
+        else:
+            # one bucket per unit, in the order backward finishes them: last block first, root last
+            unit_params = [(u, [p for p in u.parameters() if p.requires_grad]) for u in units]
+            in_units = {p for _, ps in unit_params for p in ps}
+            unit_params = unit_params[::-1] + [(model, [p for p in params if p not in in_units])]
+            pairs = [(m, Bucket(ps, W, rank, default_decays)) for m, ps in unit_params if ps]
+            self.buckets = [b for _, b in pairs]
+        self.comm.check_same('bucket layout', fingerprint(self.buckets) + [cfg.stage])
+        shard_numel = 0
+        for b in self.buckets:
+            b.shard_offset, shard_numel = shard_numel, shard_numel + b.shard_numel
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+
+        # 2) the sharded fp32 optimizer state: one (shard_numel,) tensor each, a slice per bucket
+        device = params[0].device
+        self.master_shard, self.exp_avg, self.exp_avg_sq, self.grad_shard = (
+            torch.zeros(shard_numel, dtype=torch.float32, device=device) for _ in range(4))
+        self.found_inf = torch.zeros(1, device=device)
+        self.step_count = 0
+
+        # 3) the compute params: fp32 values from rank 0 (like DDP) -> master shard + param_dtype copy
+        if cfg.stage < 3:
+            # every param becomes a view into one flat_param; grads of stage 1 into one flat_grad
+            self.flat_param = torch.empty(sum(b.padded_numel for b in self.buckets), dtype=cfg.param_dtype, device=device)
+            start = 0
+            for b in self.buckets:
+                flat32 = b.pack(torch.float32)
+                self.comm.broadcast(flat32)
+                self.master_shard[b.shard_slice] = b.shard(flat32)
+                b.flat_param = self.flat_param[start:start + b.padded_numel]
+                b.flat_param.copy_(flat32)
+                for p, view in b.views(b.flat_param):
+                    p.data = view
+                start += b.padded_numel
+            if cfg.stage == 1:
+                self.flat_grad = torch.zeros_like(self.flat_param, dtype=cfg.reduce_dtype)
+                start = 0
+                for b in self.buckets:
+                    b.flat_grad, start = self.flat_grad[start:start + b.padded_numel], start + b.padded_numel
+        else:
+            self.units = fsdp_lite.fully_shard(pairs, model, self.comm, cfg)
+            for b in self.buckets:
+                self.master_shard[b.shard_slice] = b.unit.master_init
+                del b.unit.master_init
+        for p in model.parameters():  # frozen params: not sharded, just in the compute dtype everywhere
+            if not p.requires_grad:
+                p.data = p.data.to(cfg.param_dtype)
+                self.comm.broadcast(p.data)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+        self.sync = True
+        self.next_bucket = 0  # buckets are reduce-scattered strictly in order: the same on every rank
+        self.in_flight = []  # (bucket, work, output) of launched reduce-scatters
+        self.live_grad_buffers = self.peak_grad_buffers = 0  # stages 2/3: bucket-sized grad buffers alive
+
+    # --- grads: collected by per-param hooks, reduce-scattered bucket by bucket during backward
+
+    def set_grad_sync(self, sync):
+        """sync=False (stage 1 only, not the last micro-step): keep accumulating the full flat_grad.
+        Stages 2 and 3 keep no full grads, so they reduce-scatter on every micro-step."""
+        self.sync = sync or self.cfg.stage >= 2
+
+    def backward(self, loss):
+        loss.backward()
+        self._finish_backward()
+
+    def _on_grad(self, p):
+        bucket = self.bucket_of[p]
+        if bucket.flat_grad is None:  # stages 2/3: a bucket-sized buffer exists only while it fills
+            self._new_grad_buffer(bucket)
+        view = bucket.flat_grad[bucket.offset_of[p]:][:p.numel()]
+        view.add_(p.grad.view(-1))  # add: stage 1 accumulates micro-steps here
+        p.grad = None  # the grad lives in flat_grad now
+        bucket.ready.add(p)
+        if self.sync:
+            self._launch_ready_buckets(flush=False)
+
+    def _launch_ready_buckets(self, flush):
+        while self.next_bucket < len(self.buckets):
+            b = self.buckets[self.next_bucket]
+            if not flush and len(b.ready) < len(b.params):
+                return
+            if b.flat_grad is None:  # flush of a bucket none of whose params got a grad
+                self._new_grad_buffer(b)
+            # [Note: two grad buffers] waiting for the previous reduce-scatter before launching this one
+            # keeps at most two bucket-sized grad buffers alive in stages 2/3 (this one in flight, the
+            # next one filling) while still overlapping each reduce-scatter with the next bucket's backward
+            self._wait_in_flight()
+            out = torch.empty(b.shard_numel, dtype=self.cfg.reduce_dtype, device=b.flat_grad.device)
+            self.in_flight.append((b, self.comm.reduce_scatter(out, b.flat_grad, async_op=True), out))
+            if self.cfg.stage == 3:
+                b.unit.post_backward()  # its params are no longer needed: reshard
+            self.next_bucket += 1
+
+    def _new_grad_buffer(self, b):
+        b.flat_grad = torch.zeros(b.padded_numel, dtype=self.cfg.reduce_dtype, device=self.grad_shard.device)
+        self.live_grad_buffers += 1
+        self.peak_grad_buffers = max(self.peak_grad_buffers, self.live_grad_buffers)
+
+    def _wait_in_flight(self):
+        for b, work, out in self.in_flight:
+            work.wait()
+            self.grad_shard[b.shard_slice] += out  # fp32 accumulator across micro-steps
+            if self.cfg.stage >= 2:
+                b.flat_grad = None
+                self.live_grad_buffers -= 1
+        self.in_flight = []
+
+    def _finish_backward(self):
+        """[Note: flush] A param that got no grad this step never fires its hook, and a bucket waiting for
+        it would never launch on this rank while the others do: a hang. After every backward we launch
+        what is left, in bucket order, with zeros for the missing grads (as DDP does)."""
+        if self.sync:
+            self._launch_ready_buckets(flush=True)
+            self._wait_in_flight()
+            self.next_bucket = 0
+        for b in self.buckets:
+            b.ready.clear()
+        if self.cfg.stage == 3:
+            fsdp_lite.finish_backward(self.units)
+
+    # --- the step: AdamW on this rank's fp32 master shard, then the compute params
+
+    def param_shard(self, b):
+        return b.unit.sharded_param if self.cfg.stage == 3 else b.shard(b.flat_param)
+
+    @torch.no_grad()
+    def step(self, lr):
+        cfg = self.cfg
+        # global grad norm: shards are disjoint and pads are 0, so the sum of every rank's squares is exact
+        sumsq = self.grad_shard.square().sum()
+        self.comm.all_reduce_sum(sumsq)
+        grad_norm = sumsq.sqrt().item()
+        if not math.isfinite(grad_norm):  # every rank sees the same norm, so every rank skips
+            self.grad_shard.zero_()
+            return grad_norm
+        clip = min(1.0, cfg.grad_clip / (grad_norm + 1e-6)) if cfg.grad_clip > 0 else 1.0  # as clip_grad_norm_
+        self.step_count += 1
+        gathers = []
+        for b in self.buckets:
+            s = b.shard_slice
+            kernels.adamw_step(self.master_shard[s], self.grad_shard[s], self.exp_avg[s], self.exp_avg_sq[s],
+                               self.param_shard(b), self.found_inf, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                               eps=cfg.eps, weight_decay=cfg.weight_decay, decay_numel=b.shard_decay_numel,
+                               step=self.step_count, grad_scale=clip, impl=cfg.optimizer_impl)
+            if cfg.stage < 3:  # in place: this rank's slice of flat_param is the all-gather's input
+                gathers.append(self.comm.all_gather(b.flat_param, self.param_shard(b), async_op=True))
+        for work in gathers:  # stage 3 gathers nothing here: the next forward gathers each unit
+            work.wait()
+        self.grad_shard.zero_()
+        if cfg.stage == 1:
+            self.flat_grad.zero_()
+        return grad_norm
+
+    # --- what each rank holds, and checkpoints
+
+    def populations(self):
+        """population -> (dtype, bytes this rank holds), counting the tensors this object owns."""
+        shard = self.master_shard.numel()
+        if self.cfg.stage < 3:
+            params = (self.cfg.param_dtype, self.flat_param.numel() * self.flat_param.element_size())
+        else:
+            params = (self.cfg.param_dtype, sum(u.sharded_param.numel() * u.sharded_param.element_size() for u in self.units))
+        grads = shard * 4 + (self.flat_grad.numel() * self.flat_grad.element_size() if self.cfg.stage == 1 else 0)
+        return {'params': params, 'grads': (torch.float32 if self.cfg.stage > 1 else self.cfg.reduce_dtype, grads),
+                'master': (torch.float32, shard * 4), 'exp_avg': (torch.float32, shard * 4),
+                'exp_avg_sq': (torch.float32, shard * 4)}
+
+    def full_state_dict(self):
+        """The model's state_dict in fp32, trainable params gathered from the master shards (exact,
+        unlike the bf16 compute params). Every rank must call it; every rank gets the whole dict."""
+        full = {}
+        for b in self.buckets:
+            flat = torch.empty(b.padded_numel, dtype=torch.float32, device=self.master_shard.device)
+            dist.all_gather_into_tensor(flat, self.master_shard[b.shard_slice], group=self.comm.process_group)
+            full.update({id(p): view.clone() for p, view in b.views(flat)})
+        return {name: full[id(t)] if id(t) in full else t.detach().float()
+                for name, t in self.model.state_dict(keep_vars=True).items()}
+
+    def state_dict(self):
+        return {'step_count': self.step_count, 'master_shard': self.master_shard, 'exp_avg': self.exp_avg,
+                'exp_avg_sq': self.exp_avg_sq, 'fingerprint': fingerprint(self.buckets) + [self.cfg.stage],
+                'world_size': self.comm.world_size, 'rank': self.comm.rank}
+
+    @torch.no_grad()
+    def load_state_dict(self, state):
+        mine = fingerprint(self.buckets) + [self.cfg.stage]
+        if state['fingerprint'] != mine or state['world_size'] != self.comm.world_size:
+            raise ValueError(f"this optimizer shard was saved by a run with another layout (world_size "
+                             f"{state['world_size']}, layout {state['fingerprint']}; now {self.comm.world_size}, {mine}): "
+                             "resume with the same model, zero_stage, bucket_mb and number of ranks")
+        self.step_count = state['step_count']
+        for name in ('master_shard', 'exp_avg', 'exp_avg_sq'):
+            getattr(self, name).copy_(state[name])
+        for b in self.buckets:  # the compute params follow the masters
+            self.param_shard(b).copy_(self.master_shard[b.shard_slice])
+            if self.cfg.stage < 3:
+                self.comm.all_gather(b.flat_param, self.param_shard(b))
+
+
+def plan_buckets(params, bucket_numel, world_size, rank):
+    """Greedy: fill a bucket until it holds bucket_numel elements (a bigger param gets one to itself)."""
+    buckets, current, numel = [], [], 0
+    for p in params:
+        current.append(p)
+        numel += p.numel()
+        if numel >= bucket_numel:
+            buckets.append(current)
+            current, numel = [], 0
+    if current:
+        buckets.append(current)
+    return [Bucket(ps, world_size, rank, default_decays) for ps in buckets]
+
+
+def build_engine(model, cfg, units=(), process_group=None):
+    return DataParallel(model, cfg, process_group) if cfg.stage == 0 else Zero(model, cfg, units, process_group)
+
+
+def memory_report(engine, world_size):
+    """The startup table: dtype and bytes this rank holds per population, next to the formula. The
+    paper's 2Ψ + 2Ψ + 12Ψ assumes bf16 params and grads; the formula column uses this run's dtypes:
+    params p·Ψ (p = bytes of param_dtype), grads: stage 1 keeps a full r·Ψ flat_grad (r = reduce_dtype)
+    plus the fp32 grad shard 4Ψ/N, stages 2-3 only the shard; master, exp_avg, exp_avg_sq 4Ψ/N each."""
+    psi, cfg, N = engine.psi, engine.cfg, world_size
+    p, r, stage = cfg.param_dtype.itemsize, cfg.reduce_dtype.itemsize, cfg.stage
+    if stage == 0:  # DDP + torch AdamW: fp32 params and grads, fp32 moments, nothing sharded
+        formula = {'params': 4 * psi, 'grads': 4 * psi, 'exp_avg': 4 * psi, 'exp_avg_sq': 4 * psi}
+    else:
+        formula = {'params': p * psi / (N if stage == 3 else 1), 'grads': 4 * psi / N + (r * psi if stage == 1 else 0),
+                   'master': 4 * psi / N, 'exp_avg': 4 * psi / N, 'exp_avg_sq': 4 * psi / N}
+    lines = [f"model states per rank, Ψ = {psi:,} trainable params, zero_stage={stage}, N={N}:",
+             f"  {'population':<11} {'dtype':<9} {'bytes':>10}   {'formula':>10}"]
+    total = 0
+    for name, (dtype, nbytes) in engine.populations().items():
+        total += nbytes
+        lines.append(f"  {name:<11} {str(dtype).replace('torch.', ''):<9} {nbytes / 2**20:>8.2f}MB   {formula[name] / 2**20:>8.2f}MB")
+    lines.append(f"  {'total':<21} {total / 2**20:>8.2f}MB   {sum(formula.values()) / 2**20:>8.2f}MB"
+                 f"   = {total / psi:.2f} bytes/param (DDP with bf16: 16; ZeRO-3 with bf16: 16/N = {16 / N:.2f})")
+    return '\n'.join(lines)
