@@ -97,7 +97,7 @@ def bench_kernels(args):
                                     weight_decay=hp["weight_decay"], fused=variant == "fused",
                                     foreach=variant == "foreach")
             fns[variant] = functools.partial(torch_step, opt)
-        ms = time_ms(fns, device)
+        ms = time_ms(fns, device, repeats=max(10, min(100, 2**26 // n)))  # more repeats where they are cheap
         # 8 master + 8 exp_avg + 8 exp_avg_sq (read + write) + 4 grad read + 2 bf16 param write = 30 B/elem
         moved = n * (24 + grad.element_size() + param.element_size())
         gbs = moved / ms["ours"] / 1e6

@@ -201,14 +201,11 @@ cudaError_t adamw_cuda(const AdamWArgs& a, cudaStream_t stream) {
 }
 """
 
-CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]  # no-math-errno: vector sqrt
-CUDA_FLAGS = ["-O3", "--fmad=false"]  # no fma contraction beyond the explicit ones, as in the CPU build
-
 CUDA_GLUE = r"""
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>  // c10::cuda::getCurrentCUDAStream is at::cuda::getCurrentCUDAStream
 cudaError_t adamw_cuda(const AdamWArgs& a, cudaStream_t stream);  // in CUDA_SOURCE
 void adamw_launch(const AdamWArgs& a) {
-  cudaError_t err = adamw_cuda(a, at::cuda::getCurrentCUDAStream());
+  cudaError_t err = adamw_cuda(a, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "nanozero adamw kernel launch failed: ", cudaGetErrorString(err));
 }
 """
@@ -251,6 +248,9 @@ void adamw_step(torch::Tensor master, torch::Tensor grad, torch::Tensor exp_avg,
 
 # ----------------------------------------------------------------------------
 # build once per process (load_inline caches the .so on disk, so later processes only load it)
+
+CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]  # -fno-math-errno lets sqrt vectorize
+CUDA_FLAGS = ["-O3", "--fmad=false"]  # no fma contraction beyond the explicit ones, as in the CPU build
 
 _EXTENSIONS = {}  # 'cpu' / 'cuda' -> the built module, or the RuntimeError its build raised
 
