@@ -15,9 +15,9 @@ import torch
 import kernels
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8)
-# Kernel vs reference, fp32 outputs: rtol 1e-6 is ~8 ulps. The two are not bit-identical because torch's CPU
-# sqrt (MKL) is off by an ulp for ~15% of inputs while the kernels' is correctly rounded; that moves the
-# master by about an ulp per step. atol only matters where master * decay - update cancels to ~0: the
+# Kernel vs reference, fp32 outputs: rtol 1e-6 is ~8 ulps. The kernels round every op correctly; the reference
+# does not quite: torch's CPU sqrt (MKL) is an ulp off for ~15% of inputs, and on CUDA torch divides by a
+# Python scalar as a multiply by its reciprocal. That moves the master by about an ulp per step. atol only matters where master * decay - update cancels to ~0: the
 # operands are then <= ~1e-2 (one update is at most ~lr / (1 - beta1)), whose ulp is ~1e-9, so 1e-8 is ~8 ulps.
 TOL = dict(rtol=1e-6, atol=1e-8)
 

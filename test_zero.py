@@ -403,3 +403,29 @@ def test_optimizer_shard_from_another_layout_is_rejected():
 def test_fused_cpu_kernel_trains_like_the_reference():
     ref, fused = run_ranks(2, [dict(kind='zero2', accum=4, optimizer_impl=impl) for impl in ('reference', 'cpu')])
     assert_same_run(fused, ref)
+
+# -----------------------------------------------------------------------------
+# train.py end to end
+
+
+def torchrun(nproc, *args):
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}', 'train.py',
+           'config/shakespeare_cpu.py', '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2',
+           '--eval_iters=2', '--log_interval=1', *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize('stage', [0, 3])
+def test_train_py_logs_nanogpt_lines_saves_and_resumes(tmp_path, stage):
+    common = [f'--out_dir={tmp_path}', f'--zero_stage={stage}', '--eval_interval=3', '--always_save_checkpoint=True']
+    first = torchrun(2, *common, '--max_iters=3')
+    assert 'step 0: train loss ' in first and 'iter 3: loss ' in first and ', sent ' in first
+    assert 'master      float32' in first or stage == 0
+    resumed = torchrun(2, *common, '--max_iters=5', '--init_from=resume')
+    assert 'step 3: train loss ' in resumed and 'iter 5: loss ' in resumed and 'iter 1:' not in resumed
+    wrong = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=1',
+                            'train.py', f'--out_dir={tmp_path}', '--init_from=resume', f'--zero_stage={stage}'],
+                           capture_output=True, text=True, timeout=300)
+    assert wrong.returncode != 0 and 'resume with the same' in wrong.stderr

@@ -93,9 +93,9 @@ def parse_config(argv, defaults=DEFAULTS):
         if not arg.startswith('--'):
             namespace = {}
             with open(arg) as f:
-                exec(f.read(), {}, namespace)
+                exec(f.read(), namespace)
             for key, value in namespace.items():
-                if not key.startswith('_'):
+                if not key.startswith('_') and not callable(value):
                     check_key(key, arg)
                     config[key] = value
             continue
@@ -278,7 +278,7 @@ def main(cfg):
                              f"{state['world_size']} ranks; resume with the same (its optimizer state is sharded that way)")
     model_args, model, engine = build(cfg, device, vocab_size=50304, state=state)
     if state is not None:
-        shard_file = os.path.join(cfg['out_dir'], f'optim_rank{rank}.pt')
+        shard_file = os.path.join(cfg['out_dir'], f"optim_rank{rank if cfg['zero_stage'] > 0 else 0}.pt")
         engine.load_state_dict(torch.load(shard_file, map_location=device, weights_only=False))
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
     if master_process:
@@ -292,8 +292,7 @@ def main(cfg):
     peak = peak_flops(device)
     t0 = time.time()
     while True:
-        lr = get_lr(iter_num, cfg)
-        if iter_num % cfg['eval_interval'] == 0:
+        if iter_num % cfg['eval_interval'] == 0 or iter_num >= cfg['max_iters']:
             losses = evaluate(engine, ('train', 'val'), cfg['eval_iters'], batch_fn, autocast)
             if master_process:
                 print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
@@ -301,8 +300,9 @@ def main(cfg):
                 best_val_loss = min(best_val_loss, losses['val'])
                 if iter_num > 0:
                     save_checkpoint(cfg, engine, model_args, iter_num, best_val_loss, rank)
-            if cfg['eval_only']:
-                break
+        if cfg['eval_only'] or iter_num >= cfg['max_iters']:
+            break
+        lr = get_lr(iter_num, cfg)
         engine.comm.numel.clear()
         batches = [batch_fn('train') for _ in range(accum)]
         loss, grad_norm = train_step(engine, batches, lr, autocast)
@@ -310,13 +310,12 @@ def main(cfg):
         if iter_num % cfg['log_interval'] == 0 and master_process:
             t1 = time.time()
             dt, t0 = (t1 - t0) / cfg['log_interval'], t1
-            sent = ', '.join(f"{k} {v / engine.psi:.2f}Ψ" for k, v in sorted(engine.comm.numel.items()) if k != 'all_reduce' or cfg['zero_stage'] == 0)
+            sent = ', '.join(f"{k} {v / engine.psi:.2f}Ψ" for k, v in sorted(engine.comm.numel.items())
+                             if k != 'all_reduce' or cfg['zero_stage'] == 0)  # not the 1-scalar grad norm
             mfu = model.estimate_mfu(tokens_per_iter / dt / world_size, peak)
             print(f"iter {iter_num}: loss {loss.item():.4f}, time {dt * 1000:.2f}ms, tok/s {tokens_per_iter / dt:,.0f}, "
                   f"lr {lr:.2e}, norm {grad_norm:.3f}" + (f", mfu {mfu * 100:.2f}%" if mfu is not None else '')
                   + f", sent {sent}")
-        if iter_num >= cfg['max_iters']:
-            break
     dist.barrier()  # every rank done (and no async work left) before the process group goes
     dist.destroy_process_group()
 

@@ -1,0 +1,340 @@
+"""
+Training-step benchmark: nanozero's ZeRO-1/2/3 against torch's DDP, DDP + ZeroRedundancyOptimizer and FSDP2,
+on the same model, seed and batches, in one run (2 gloo ranks on CPU, the Shakespeare CPU config):
+
+    torchrun --standalone --nproc_per_node=2 bench_zero.py
+    torchrun --standalone --nproc_per_node=2 bench_zero.py --rounds=10 --kinds=ddp,zero2,zero3,fsdp2
+    torchrun --standalone --nproc_per_node=2 bench_zero.py --config=config/shakespeare_cpu.py --set n_layer=8
+
+Per kind: the median step time (train.train_step at a fixed lr, slowest rank) and its ratio to the torch
+baselines; the bytes of model state a rank holds, counted from tensors, and the peak of our transient
+bucket-sized buffers; for our stages, the communication time the step is blocked on ("exposed") against
+the same collectives issued alone with no compute, hence the fraction of communication hidden behind compute.
+Kinds take turns, rotating each round, so a shared machine that slows down for a while slows all alike;
+ratios are medians of per-round ratios. Exposed time is host-blocking time: meaningful with gloo on CPU.
+"""
+import argparse
+import dataclasses
+import os
+import resource
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fsdp_lite
+import train
+import zero
+from model import GPT, GPTConfig
+
+KINDS = ('ddp', 'ddp+zero_redundancy', 'zero1', 'zero2', 'zero3', 'fsdp2')
+REFERENCES = {'zero1': ('ddp+zero_redundancy',), 'zero2': ('ddp+zero_redundancy',), 'zero3': ('fsdp2', 'zero2')}
+MB = 2**20
+
+
+def nbytes(t):
+    t = t.to_local() if isinstance(t, DTensor) else t  # FSDP2: this rank's shard only
+    return t.numel() * t.element_size()
+
+# -----------------------------------------------------------------------------
+# torch's engines, behind zero.DataParallel's interface
+
+
+class TorchEngine:
+    """module, set_grad_sync, backward, step(lr) -> grad norm, over a torch-wrapped module and optimizer.
+    Records the grads' bytes right after backward, before step frees them."""
+
+    def __init__(self, module, model, optimizer, grad_clip):
+        self.module, self.optimizer, self.grad_clip = module, optimizer, grad_clip
+        self.params = [p for p in model.parameters() if p.requires_grad]  # DTensors after fully_shard
+        self.psi = sum(p.numel() for p in self.params)  # a DTensor's numel is the full tensor's
+        self.grad_bytes = 0
+
+    def set_grad_sync(self, sync):
+        if isinstance(self.module, DDP):
+            self.module.require_backward_grad_sync = sync  # FSDP2 reduce-scatters every micro-step
+
+    def backward(self, loss):
+        loss.backward()
+        self.grad_bytes = sum(nbytes(p.grad) for p in self.params if p.grad is not None)
+
+    def step(self, lr):
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float('inf'))
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        for group in self.optimizer.param_groups:  # ZeroRedundancyOptimizer copies these to its local optimizer
+            group['lr'] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm.item()
+
+    def populations(self):
+        local = getattr(self.optimizer, 'optim', self.optimizer)  # ZeroRedundancyOptimizer: this rank's shard
+        state = sum(nbytes(t) for s in local.state.values() for t in s.values() if torch.is_tensor(t))
+        return {'params': sum(nbytes(p) for p in self.params), 'grads': self.grad_bytes, 'optimizer state': state}
+
+
+def build(kind, cfg, device):
+    torch.manual_seed(cfg['seed'])  # every kind starts from the same weights
+    model = GPT(GPTConfig(n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_embd=cfg['n_embd'], block_size=cfg['block_size'],
+                          bias=cfg['bias'], vocab_size=50304, dropout=cfg['dropout'])).to(device)
+    zcfg = train.zero_config(cfg)
+    if kind == 'ddp' or kind.startswith('zero'):
+        stage = 0 if kind == 'ddp' else int(kind[-1])
+        return zero.build_engine(model, dataclasses.replace(zcfg, stage=stage), units=list(model.transformer.h))
+    if kind == 'ddp+zero_redundancy':
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        module = DDP(model)
+        optimizer = ZeroRedundancyOptimizer(model.param_groups(zcfg.weight_decay), optimizer_class=torch.optim.AdamW,
+                                            lr=cfg['learning_rate'], betas=(zcfg.beta1, zcfg.beta2), eps=zcfg.eps)
+    else:  # fsdp2: each block, then the root (embeddings, tied lm_head, ln_f), as fsdp_lite does
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        policy = MixedPrecisionPolicy(param_dtype=zcfg.param_dtype, reduce_dtype=torch.float32)
+        for block in model.transformer.h:
+            fully_shard(block, mp_policy=policy)
+        module = fully_shard(model, mp_policy=policy)
+        optimizer = torch.optim.AdamW(model.param_groups(zcfg.weight_decay), lr=cfg['learning_rate'],
+                                      betas=(zcfg.beta1, zcfg.beta2), eps=zcfg.eps)  # after fully_shard: DTensors
+    return TorchEngine(module, model, optimizer, zcfg.grad_clip)
+
+
+def model_state_bytes(engine):
+    """population -> bytes on this rank. DDP (gradient_as_bucket_view=False, the default) also keeps its
+    all-reduce buckets, one more copy of every grad, for the whole run."""
+    pops = engine.populations()
+    pops = {k: v if isinstance(v, int) else v[1] for k, v in pops.items()}  # ours: (dtype, bytes)
+    if isinstance(engine.module, DDP):
+        sizes = engine.module._get_ddp_logging_data().get('bucket_sizes', '')  # '26214400, 3807232' bytes
+        pops['ddp buckets'] = sum(int(s) for s in str(sizes).split(',') if s.strip())
+    return pops
+
+# -----------------------------------------------------------------------------
+# measuring our engines from outside: zero.py and fsdp_lite.py are untouched, their classes are patched here
+
+
+class TimedWork:
+    def __init__(self, work, clock):
+        self.work, self.clock = work, clock
+
+    def wait(self):
+        t0 = time.perf_counter()
+        self.work.wait()
+        self.clock.exposed += time.perf_counter() - t0
+
+
+class CommClock:
+    """Wraps zero.Comm's collectives: `exposed` adds up the seconds the caller is blocked on them (the launch,
+    the .wait() on the work handle, all of a synchronous call; including waiting for a slower rank). When
+    `trace` is a list, each call's (collective, tensor shapes) is recorded, for `replay`."""
+
+    def __init__(self):
+        self.exposed, self.trace = 0.0, None
+        for name in ('all_gather', 'reduce_scatter', 'all_reduce_sum'):
+            setattr(zero.Comm, name, self.timed(getattr(zero.Comm, name)))
+
+    def timed(self, real):
+        def call(comm, *tensors, **kwargs):
+            if self.trace is not None:
+                self.trace.append((real, [(t.shape, t.dtype, t.device) for t in tensors]))
+            t0 = time.perf_counter()
+            work = real(comm, *tensors, **kwargs)
+            self.exposed += time.perf_counter() - t0
+            return None if work is None else TimedWork(work, self)
+        return call
+
+
+def replay(comm, calls):
+    """The recorded collectives, each issued and waited for in turn, with no compute around them."""
+    for real, tensors in calls:
+        real(comm, *tensors)
+
+
+def replay_buffers(trace):
+    buffers = {}  # one zero tensor per (shape, dtype): allocated once, outside the timed replay
+    return [(real, [buffers.setdefault(spec, torch.zeros(spec[0], dtype=spec[1], device=spec[2])) for spec in specs])
+            for real, specs in trace]
+
+
+def transient_bytes(engine):
+    """Bytes of our engines' buffers that exist only during forward/backward: stage 2/3 bucket grad buffers,
+    stage 3 unsharded units (a resharded unit's storage is resized to 0)."""
+    if not isinstance(engine, zero.Zero):
+        return 0
+    grads = sum(nbytes(b.flat_grad) for b in engine.buckets if b.flat_grad is not None) if engine.cfg.stage >= 2 else 0
+    params = sum(u.unsharded_param.untyped_storage().nbytes() for u in engine.units) if engine.cfg.stage == 3 else 0
+    return grads + params
+
+
+def transient_bound(engine):
+    """The same from the engine's counters: peak live buffers x the largest one (+ the root unit, stage 3)."""
+    if not isinstance(engine, zero.Zero) or engine.cfg.stage == 1:
+        return 0
+    bound = engine.peak_grad_buffers * max(b.padded_numel for b in engine.buckets) * engine.cfg.reduce_dtype.itemsize
+    if engine.cfg.stage == 3:
+        blocks = [u.nbytes for u in engine.units if not u.is_root]
+        bound += engine.units[0].schedule.peak_live * max(blocks) + sum(u.nbytes for u in engine.units if u.is_root)
+    return bound
+
+
+class TransientMeter:
+    """Exact peak of transient_bytes: it only grows when Zero._new_grad_buffer or Unit.unshard allocates, so
+    sampling right after each of those calls catches the peak. `engine` is the one being stepped."""
+
+    def __init__(self):
+        self.engine, self.peak = None, {}
+        for cls, name in ((zero.Zero, '_new_grad_buffer'), (fsdp_lite.Unit, 'unshard')):
+            setattr(cls, name, self.sampled(getattr(cls, name)))
+
+    def sampled(self, real):
+        def call(obj, *args, **kwargs):
+            out = real(obj, *args, **kwargs)
+            self.peak[self.engine] = max(self.peak.get(self.engine, 0), transient_bytes(self.engine))
+            return out
+        return call
+
+# -----------------------------------------------------------------------------
+# the benchmark
+
+
+def bench_zero(args):
+    cfg = train.parse_config([args.config] + [f'--{kv}' for kv in args.set])
+    device, rank, world_size = train.setup_distributed(cfg)
+    train.check_config(cfg, world_size)
+    kinds = args.kinds.split(',')
+    if set(kinds) - set(KINDS):
+        raise ValueError(f"unknown kinds {sorted(set(kinds) - set(KINDS))}: choose from {','.join(KINDS)}")
+    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', cfg['dataset'])
+    if rank == 0 and not os.path.exists(os.path.join(data_dir, 'train.bin')):
+        from data.shakespeare.prepare import prepare  # the others wait at the barrier below
+        prepare(data_dir)
+    dist.barrier()
+    data = train.load_split(data_dir, 'train')
+    generator = torch.Generator().manual_seed(cfg['seed'] + rank)  # each rank its own batches, every kind the same
+    accum = cfg['gradient_accumulation_steps'] // world_size  # micro-steps per rank per step
+
+    def draw(n):
+        return [[train.get_batch(data, cfg['batch_size'], cfg['block_size'], generator, device) for _ in range(accum)]
+                for _ in range(n)]
+    autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
+    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
+    lr = cfg['learning_rate']
+    clock, meter = CommClock(), TransientMeter()
+    engines = {kind: build(kind, cfg, device) for kind in kinds}
+
+    # warm-up, 2 steps each: optimizer state allocated, stage 3's forward order recorded, the AdamW kernel
+    # built; the second step's collectives are recorded for the replay. Same batches, same weights: the first
+    # step's loss and grad norm must agree across kinds.
+    first, calls = {}, {}
+    warm = draw(2)
+    for kind, engine in engines.items():
+        meter.engine = engine
+        for i, batches in enumerate(warm):
+            clock.trace = [] if i == 1 and isinstance(engine, zero.Zero) else None
+            loss, norm = train.train_step(engine, batches, lr, autocast)
+            first.setdefault(kind, (loss.item(), norm))
+        calls[kind] = replay_buffers(clock.trace) if clock.trace else None
+        clock.trace = None
+
+    steps = args.rounds * args.steps
+    times, exposed, alone = (torch.zeros(len(kinds), n) for n in (steps, steps, args.rounds))  # seconds
+    for r in range(args.rounds):
+        batches_r = draw(args.steps)
+        for k in [(r + i) % len(kinds) for i in range(len(kinds))]:  # rotate the order each round
+            engine = meter.engine = engines[kinds[k]]
+            dist.barrier()  # ranks start each timed block together
+            for s, batches in enumerate(batches_r):
+                clock.exposed = 0.0
+                t0 = time.perf_counter()
+                train.train_step(engine, batches, lr, autocast)
+                sync()
+                times[k, r * args.steps + s], exposed[k, r * args.steps + s] = time.perf_counter() - t0, clock.exposed
+            dist.barrier()
+            if calls[kinds[k]]:
+                t0 = time.perf_counter()
+                replay(engine.comm, calls[kinds[k]])
+                alone[k, r] = time.perf_counter() - t0
+                dist.barrier()
+
+    # across ranks: a step lasts as long as its slowest rank; exposed time is each rank's own, averaged
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    dist.all_reduce(alone, op=dist.ReduceOp.MAX)
+    dist.all_reduce(exposed)
+    exposed /= world_size
+    pops = {kind: model_state_bytes(engines[kind]) for kind in kinds}
+    mine = torch.tensor([[sum(pops[kind].values()), meter.peak.get(engines[kind], 0), transient_bound(engines[kind])]
+                         for kind in kinds] + [[resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 0, 0]],
+                        dtype=torch.float64)
+    every = torch.empty(world_size * mine.shape[0], 3, dtype=torch.float64)
+    dist.all_gather_into_tensor(every, mine)
+    every = every.view(world_size, -1, 3)  # (world_size, kinds + 1, 3) bytes
+    if rank == 0:
+        report(args, cfg, kinds, engines, first, times, exposed, alone, pops, every)
+    dist.barrier()  # every rank done, no async work left, before the process group goes
+    dist.destroy_process_group()
+
+
+def report(args, cfg, kinds, engines, first, times, exposed, alone, pops, every):
+    world_size, K = every.shape[0], len(kinds)
+    psi = engines[kinds[0]].psi
+    per_round = times.view(K, args.rounds, args.steps).median(dim=2).values  # (K, rounds)
+    step = {kind: times[k].median().item() for k, kind in enumerate(kinds)}
+
+    def ratio(kind, ref):  # median over rounds of this round's ratio: robust to the machine's load drifting
+        return (per_round[kinds.index(kind)] / per_round[kinds.index(ref)]).median().item()
+
+    print(f"world size {world_size} ({dist.get_backend()}), device {cfg['device']}, dtype {cfg['dtype']}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads/rank; Ψ = {psi:,} params "
+          f"({cfg['n_layer']} layers x {cfg['n_embd']}), {cfg['gradient_accumulation_steps'] // world_size} micro-step x "
+          f"{cfg['batch_size']} x {cfg['block_size']} tokens per rank; {args.rounds} rounds x {args.steps} steps per kind")
+    print('first step (same weights, same batches): ' + ', '.join(f"{kind} loss {l:.5f} norm {n:.5f}"
+                                                              for kind, (l, n) in first.items()))
+    print(f"\n$ torchrun --standalone --nproc_per_node={world_size} {' '.join(sys.argv)}\n")
+    print("| kind | step ms (median) | vs ddp | vs torch counterpart | model-state MB/rank | peak transient MB "
+          "(bound) | exposed comm ms (of step) | comm alone ms | hidden |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    for k, kind in enumerate(kinds):
+        state = every[:, k, 0] / MB
+        state_txt = f"{state.max():.1f}" + (f" (min {state.min():.1f})" if state.max() > 1.01 * state.min() else '')
+        ours = isinstance(engines[kind], zero.Zero)
+        transient = f"{every[:, k, 1].max() / MB:.1f} ({every[:, k, 2].max() / MB:.1f})" if ours else '–'
+        comm = alone_txt = hidden = '–'
+        if ours:
+            e, a = exposed[k].median().item(), alone[k].median().item()
+            comm, alone_txt, hidden = f"{e * 1e3:.1f} ({e / step[kind]:.0%})", f"{a * 1e3:.1f}", f"{1 - e / a:.0%}"
+        refs = ', '.join(f"{ratio(kind, ref):.2f}x {ref}" for ref in REFERENCES.get(kind, ()) if ref in kinds) or '–'
+        vs_ddp = f"{ratio(kind, 'ddp'):.2f}x" if 'ddp' in kinds else '–'
+        print(f"| {kind} | {step[kind] * 1e3:.1f} | {vs_ddp} | {refs} | {state_txt} | {transient} | {comm} | {alone_txt} | {hidden} |")
+
+    print("\nmodel state on rank 0, MB (bytes / Ψ):")
+    for kind in kinds:
+        parts = ', '.join(f"{name} {b / MB:.1f}" for name, b in pops[kind].items())
+        print(f"  {kind:<20} {parts}  = {sum(pops[kind].values()) / psi:.1f} B/param")
+    rss = ', '.join(f"rank {r} {every[r, K, 0] / MB:.0f}" for r in range(world_size))
+    print(f"peak RSS MB: {rss}; all {K} kinds live in each process, so this is their sum (rank 0: "
+          f"{every[0, :K, 0].sum() / MB:.0f} MB of model state) plus activations, allocator caches and the runtime.")
+    print("notes: step time = slowest rank. model state = params + grads + optimizer state counted from tensors "
+          "(torch kinds: grads right after backward, DTensor local shards, ZeroRedundancyOptimizer's local state), "
+          "+ DDP's all-reduce buckets where DDP is used. peak transient = our stage 2/3 bucket grad buffers + stage 3 "
+          "unsharded units, measured at each allocation (bound: peak count x largest buffer + root unit); not counted "
+          "anywhere: autograd's per-param .grad before it is copied, FSDP2's unsharded params. exposed = time blocked "
+          "in zero.Comm collectives (mean over ranks); comm alone = the same collectives replayed without compute; "
+          "hidden = 1 - exposed / alone. '–': not measured (torch runs its collectives inside DDP/FSDP2).")
+
+
+def add_arguments(parser):
+    parser.add_argument('--config', default='config/shakespeare_cpu.py', help="a train.py config file")
+    parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
+                        help="override a train.py config key, e.g. --set n_layer=8 (repeatable)")
+    parser.add_argument('--kinds', default=','.join(KINDS), help="comma-separated, from " + ','.join(KINDS))
+    parser.add_argument('--rounds', type=int, default=6, help="each round times every kind, in a rotated order")
+    parser.add_argument('--steps', type=int, default=3, help="timed steps per kind per round")
+
+
+if __name__ == '__main__':
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    bench_zero(parser.parse_args())
