@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import os
 import resource
-import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -27,7 +26,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import fsdp_lite
 import train
 import zero
 from model import GPT, GPTConfig
@@ -113,7 +111,7 @@ def model_state_bytes(engine):
     return pops
 
 # -----------------------------------------------------------------------------
-# measuring our engines from outside: zero.py and fsdp_lite.py are untouched, their classes are patched here
+# measuring our engines from outside: zero.py and fsdp_lite.py are untouched, zero.Comm is patched here
 
 
 class TimedWork:
@@ -159,11 +157,13 @@ def replay_buffers(trace):
             for real, specs in trace]
 
 
+def ours(engine):
+    return hasattr(engine, 'buckets')  # zero.py's stages 1-3 (not DataParallel, not torch's)
+
+
 def transient_bytes(engine):
     """Bytes of our engines' buffers that exist only during forward/backward: stage 2/3 bucket grad buffers,
     stage 3 unsharded units (a resharded unit's storage is resized to 0)."""
-    if not isinstance(engine, zero.Zero):
-        return 0
     grads = sum(nbytes(b.flat_grad) for b in engine.buckets if b.flat_grad is not None) if engine.cfg.stage >= 2 else 0
     params = sum(u.unsharded_param.untyped_storage().nbytes() for u in engine.units) if engine.cfg.stage == 3 else 0
     return grads + params
@@ -171,7 +171,7 @@ def transient_bytes(engine):
 
 def transient_bound(engine):
     """The same from the engine's counters: peak live buffers x the largest one (+ the root unit, stage 3)."""
-    if not isinstance(engine, zero.Zero) or engine.cfg.stage == 1:
+    if not ours(engine) or engine.cfg.stage == 1:
         return 0
     bound = engine.peak_grad_buffers * max(b.padded_numel for b in engine.buckets) * engine.cfg.reduce_dtype.itemsize
     if engine.cfg.stage == 3:
@@ -180,21 +180,17 @@ def transient_bound(engine):
     return bound
 
 
-class TransientMeter:
-    """Exact peak of transient_bytes: it only grows when Zero._new_grad_buffer or Unit.unshard allocates, so
-    sampling right after each of those calls catches the peak. `engine` is the one being stepped."""
+def meter_transient(engine, peak):
+    """Hooks that record the exact peak of transient_bytes(engine) into peak[0]: grad buffers are allocated
+    in the engine's grad hooks, units unsharded in its forward pre-hooks and backward pre-hooks, so sampling
+    after every param's grad hook and every unit's forward pre-hook (ours run after the engine's, registered
+    later) sees every allocation. Returns the handles: remove them before timing."""
+    def sample(*_):
+        peak[0] = max(peak[0], transient_bytes(engine))
+    handles = [p.register_post_accumulate_grad_hook(sample) for p in engine.module.parameters() if p.requires_grad]
+    modules = [u.module for u in engine.units] if engine.cfg.stage == 3 else []
+    return handles + [m.register_forward_pre_hook(sample) for m in modules]
 
-    def __init__(self):
-        self.engine, self.peak = None, {}
-        for cls, name in ((zero.Zero, '_new_grad_buffer'), (fsdp_lite.Unit, 'unshard')):
-            setattr(cls, name, self.sampled(getattr(cls, name)))
-
-    def sampled(self, real):
-        def call(obj, *args, **kwargs):
-            out = real(obj, *args, **kwargs)
-            self.peak[self.engine] = max(self.peak.get(self.engine, 0), transient_bytes(self.engine))
-            return out
-        return call
 
 # -----------------------------------------------------------------------------
 # the benchmark
@@ -222,21 +218,27 @@ def bench_zero(args):
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
     sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
     lr = cfg['learning_rate']
-    clock, meter = CommClock(), TransientMeter()
+    clock = CommClock()
     engines = {kind: build(kind, cfg, device) for kind in kinds}
 
     # warm-up, 2 steps each: optimizer state allocated, stage 3's forward order recorded, the AdamW kernel
-    # built; the second step's collectives are recorded for the replay. Same batches, same weights: the first
-    # step's loss and grad norm must agree across kinds.
-    first, calls = {}, {}
+    # built; meanwhile the transient peak is metered, and the second step's collectives are recorded for the
+    # replay and counted. Same batches, same weights: the first step's loss and grad norm must agree across kinds.
+    first, calls, sent, peaks = {}, {}, {}, {}
     warm = draw(2)
     for kind, engine in engines.items():
-        meter.engine = engine
+        peak = [0]
+        handles = meter_transient(engine, peak) if ours(engine) else []
         for i, batches in enumerate(warm):
-            clock.trace = [] if i == 1 and isinstance(engine, zero.Zero) else None
+            clock.trace = [] if i == 1 and ours(engine) else None
+            if hasattr(engine, 'comm'):
+                engine.comm.bytes.clear()  # ours count what they send, DDP's all-reduce included
             loss, norm = train.train_step(engine, batches, lr, autocast)
             first.setdefault(kind, (loss.item(), norm))
-        calls[kind] = replay_buffers(clock.trace) if clock.trace else None
+        for h in handles:
+            h.remove()
+        calls[kind], peaks[kind] = (replay_buffers(clock.trace) if clock.trace else None), peak[0]
+        sent[kind] = dict(engine.comm.bytes) if hasattr(engine, 'comm') else {}
         clock.trace = None
 
     steps = args.rounds * args.steps
@@ -244,7 +246,7 @@ def bench_zero(args):
     for r in range(args.rounds):
         batches_r = draw(args.steps)
         for k in [(r + i) % len(kinds) for i in range(len(kinds))]:  # rotate the order each round
-            engine = meter.engine = engines[kinds[k]]
+            engine = engines[kinds[k]]
             dist.barrier()  # ranks start each timed block together
             for s, batches in enumerate(batches_r):
                 clock.exposed = 0.0
@@ -259,25 +261,25 @@ def bench_zero(args):
                 alone[k, r] = time.perf_counter() - t0
                 dist.barrier()
 
-    # across ranks: a step lasts as long as its slowest rank; exposed time is each rank's own, averaged
+    # across ranks: a step lasts as long as its slowest rank. Blocked time also counts waiting for a rank still
+    # computing; the rank that was blocked least waited least for the other: its time is the comm's own
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    dist.all_reduce(alone, op=dist.ReduceOp.MAX)
-    dist.all_reduce(exposed)
-    exposed /= world_size
+    dist.all_reduce(exposed, op=dist.ReduceOp.MIN)
+    dist.all_reduce(alone, op=dist.ReduceOp.MIN)
     pops = {kind: model_state_bytes(engines[kind]) for kind in kinds}
-    mine = torch.tensor([[sum(pops[kind].values()), meter.peak.get(engines[kind], 0), transient_bound(engines[kind])]
+    mine = torch.tensor([[sum(pops[kind].values()), peaks[kind], transient_bound(engines[kind])]
                          for kind in kinds] + [[resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 0, 0]],
                         dtype=torch.float64)
     every = torch.empty(world_size * mine.shape[0], 3, dtype=torch.float64)
     dist.all_gather_into_tensor(every, mine)
     every = every.view(world_size, -1, 3)  # (world_size, kinds + 1, 3) bytes
     if rank == 0:
-        report(args, cfg, kinds, engines, first, times, exposed, alone, pops, every)
+        report(args, cfg, kinds, engines, first, sent, times, exposed, alone, pops, every)
     dist.barrier()  # every rank done, no async work left, before the process group goes
     dist.destroy_process_group()
 
 
-def report(args, cfg, kinds, engines, first, times, exposed, alone, pops, every):
+def report(args, cfg, kinds, engines, first, sent, times, exposed, alone, pops, every):
     world_size, K = every.shape[0], len(kinds)
     psi = engines[kinds[0]].psi
     per_round = times.view(K, args.rounds, args.steps).median(dim=2).values  # (K, rounds)
@@ -290,8 +292,9 @@ def report(args, cfg, kinds, engines, first, times, exposed, alone, pops, every)
           f"torch {torch.__version__}, {torch.get_num_threads()} threads/rank; Ψ = {psi:,} params "
           f"({cfg['n_layer']} layers x {cfg['n_embd']}), {cfg['gradient_accumulation_steps'] // world_size} micro-step x "
           f"{cfg['batch_size']} x {cfg['block_size']} tokens per rank; {args.rounds} rounds x {args.steps} steps per kind")
-    print('first step (same weights, same batches): ' + ', '.join(f"{kind} loss {l:.5f} norm {n:.5f}"
-                                                              for kind, (l, n) in first.items()))
+    losses, norms = zip(*first.values())
+    print(f"first step, same weights and batches in every kind: loss {losses[0]:.5f} (spread {max(losses) - min(losses):.1e}), "
+          f"grad norm {norms[0]:.5f} (spread {max(norms) - min(norms):.1e})")
     print(f"\n$ torchrun --standalone --nproc_per_node={world_size} {' '.join(sys.argv)}\n")
     print("| kind | step ms (median) | vs ddp | vs torch counterpart | model-state MB/rank | peak transient MB "
           "(bound) | exposed comm ms (of step) | comm alone ms | hidden |")
@@ -299,30 +302,30 @@ def report(args, cfg, kinds, engines, first, times, exposed, alone, pops, every)
     for k, kind in enumerate(kinds):
         state = every[:, k, 0] / MB
         state_txt = f"{state.max():.1f}" + (f" (min {state.min():.1f})" if state.max() > 1.01 * state.min() else '')
-        ours = isinstance(engines[kind], zero.Zero)
-        transient = f"{every[:, k, 1].max() / MB:.1f} ({every[:, k, 2].max() / MB:.1f})" if ours else '–'
+        transient = f"{every[:, k, 1].max() / MB:.1f} ({every[:, k, 2].max() / MB:.1f})" if ours(engines[kind]) else '–'
         comm = alone_txt = hidden = '–'
-        if ours:
+        if ours(engines[kind]):
             e, a = exposed[k].median().item(), alone[k].median().item()
             comm, alone_txt, hidden = f"{e * 1e3:.1f} ({e / step[kind]:.0%})", f"{a * 1e3:.1f}", f"{1 - e / a:.0%}"
         refs = ', '.join(f"{ratio(kind, ref):.2f}x {ref}" for ref in REFERENCES.get(kind, ()) if ref in kinds) or '–'
         vs_ddp = f"{ratio(kind, 'ddp'):.2f}x" if 'ddp' in kinds else '–'
         print(f"| {kind} | {step[kind] * 1e3:.1f} | {vs_ddp} | {refs} | {state_txt} | {transient} | {comm} | {alone_txt} | {hidden} |")
 
-    print("\nmodel state on rank 0, MB (bytes / Ψ):")
+    print("\nmodel state on rank 0, MB (bytes / Ψ); sent per rank per step, MB (counted by zero.Comm):")
     for kind in kinds:
         parts = ', '.join(f"{name} {b / MB:.1f}" for name, b in pops[kind].items())
-        print(f"  {kind:<20} {parts}  = {sum(pops[kind].values()) / psi:.1f} B/param")
+        comm = ', '.join(f"{name} {b / MB:.1f}" for name, b in sorted(sent[kind].items()))
+        print(f"  {kind:<20} {parts} = {sum(pops[kind].values()) / psi:.1f} B/param" + (f"; sent: {comm}" if comm else ''))
     rss = ', '.join(f"rank {r} {every[r, K, 0] / MB:.0f}" for r in range(world_size))
-    print(f"peak RSS MB: {rss}; all {K} kinds live in each process, so this is their sum (rank 0: "
-          f"{every[0, :K, 0].sum() / MB:.0f} MB of model state) plus activations, allocator caches and the runtime.")
-    print("notes: step time = slowest rank. model state = params + grads + optimizer state counted from tensors "
-          "(torch kinds: grads right after backward, DTensor local shards, ZeroRedundancyOptimizer's local state), "
-          "+ DDP's all-reduce buckets where DDP is used. peak transient = our stage 2/3 bucket grad buffers + stage 3 "
-          "unsharded units, measured at each allocation (bound: peak count x largest buffer + root unit); not counted "
-          "anywhere: autograd's per-param .grad before it is copied, FSDP2's unsharded params. exposed = time blocked "
-          "in zero.Comm collectives (mean over ranks); comm alone = the same collectives replayed without compute; "
-          "hidden = 1 - exposed / alone. '–': not measured (torch runs its collectives inside DDP/FSDP2).")
+    print(f"peak RSS MB: {rss}; all {K} kinds live in each process: their model states (rank 0: "
+          f"{every[0, :K, 0].sum() / MB:.0f} MB) + activations, allocator caches, the runtime. A cross-check of scale only.\n")
+    print("- step: the slowest rank's wall time; ratios: median over rounds of that round's ratio of medians.\n"
+          "- model state: params + grads + optimizer state counted from tensors (torch kinds: grads right after backward, "
+          "DTensor local shards, ZeroRedundancyOptimizer's local state) + DDP's all-reduce buckets (a 2nd copy of the grads).\n"
+          "- peak transient: our stage 2/3 bucket grad buffers + stage 3 unsharded units, sampled at every allocation; "
+          "(bound): peak count x largest + root unit. Not counted: autograd's .grad before it is copied, FSDP2's unsharded params.\n"
+          "- exposed: time blocked in zero.Comm collectives (the rank blocked least); alone: the same collectives replayed "
+          "without compute; hidden = 1 - exposed / alone; '–': not measured (torch's collectives run inside DDP/FSDP2).")
 
 
 def add_arguments(parser):
@@ -331,7 +334,7 @@ def add_arguments(parser):
                         help="override a train.py config key, e.g. --set n_layer=8 (repeatable)")
     parser.add_argument('--kinds', default=','.join(KINDS), help="comma-separated, from " + ','.join(KINDS))
     parser.add_argument('--rounds', type=int, default=6, help="each round times every kind, in a rotated order")
-    parser.add_argument('--steps', type=int, default=3, help="timed steps per kind per round")
+    parser.add_argument('--steps', type=int, default=2, help="timed steps per kind per round")
 
 
 if __name__ == '__main__':

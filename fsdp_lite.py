@@ -61,10 +61,10 @@ class Unit:
         self.reshard_after_forward = cfg.reshard_after_forward and not is_root
         flat32 = bucket.pack(torch.float32)
         comm.broadcast(flat32)  # every rank starts from rank 0's values, like DDP
-        self.master_init = bucket.shard(flat32).clone()  # zero.py moves it into its master shard
         # copy=True: with fp32 compute, .to() would return flat32 itself, and freeing the unsharded
         # storage would free the shard with it
         self.sharded_param = bucket.shard(flat32).to(cfg.param_dtype, copy=True)  # (shard_numel,)
+        self.master_init = bucket.shard(flat32).clone()  # exact fp32: zero.py's master shard starts here
         self.unsharded_param = flat32.to(cfg.param_dtype, copy=True)  # (padded_numel,)
         self.nbytes = self.unsharded_param.untyped_storage().nbytes()
         for p, view in bucket.views(self.unsharded_param):

@@ -262,6 +262,8 @@ def _build(impl):
         raise RuntimeError("ninja not found (pip install ninja)")
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
+    if impl == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device (torch.cuda.is_available() is False)")
     if impl == "cuda" and cpp_extension.CUDA_HOME is None:
         raise RuntimeError("no CUDA toolkit (nvcc) found")
     # Concurrent ranks are fine: load_inline holds a file lock in the build dir, one process compiles and

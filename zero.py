@@ -13,7 +13,7 @@ it on every one of N ranks. ZeRO keeps each number on exactly one rank:
 The `Comm` object below counts what this code actually sends, so the training log shows those figures.
 
 Reading order: Comm (the collectives), Bucket (the flat layout), DataParallel (stage 0, the baseline),
-Zero (stages 1-3: state, grads, step). Stage 3's parameter gathering lives in fsdp_lite.py.
+Zero1, then what Zero2 and Zero3 add on top of it. Stage 3's parameter gathering is in fsdp_lite.py.
 """
 import math
 import warnings
@@ -227,66 +227,34 @@ class DataParallel:
         self.optimizer.load_state_dict(state['optimizer'])
 
 # -----------------------------------------------------------------------------
-# Stages 1, 2, 3
+# Stage 1: shard the optimizer state
 
 
-class Zero:
-    """ZeRO-1/2/3 over `model`. units (stage 3 only) are the submodules that each become an fsdp_lite
-    unit, e.g. the transformer blocks; the params they do not hold form one more unit, the root."""
+class Zero1:
+    """Every rank keeps the full compute params and a full fp32 flat_grad, and owns 1/N of the fp32
+    master, exp_avg and exp_avg_sq. Grads are reduce-scattered bucket by bucket during the last
+    micro-step's backward; after the step each bucket's new params are all-gathered."""
+    stage = 1
 
     def __init__(self, model, cfg, units=(), process_group=None):
         self.cfg, self.comm, self.model, self.module = cfg, Comm(process_group), model, model
-        W, rank = self.comm.world_size, self.comm.rank
         params = [p for p in model.parameters() if p.requires_grad]  # tied params appear once
         self.psi = sum(p.numel() for p in params)
-
-        # 1) the layout: buckets in the order backward fills them
-        if cfg.stage < 3:
-            self.buckets = plan_buckets(params[::-1], cfg.bucket_mb * 2**20 // cfg.reduce_dtype.itemsize, W, rank)
-        else:
-            # one bucket per unit, in the order backward finishes them: last block first, root last
-            unit_params = [(u, [p for p in u.parameters() if p.requires_grad]) for u in units]
-            in_units = {p for _, ps in unit_params for p in ps}
-            unit_params = unit_params[::-1] + [(model, [p for p in params if p not in in_units])]
-            pairs = [(m, Bucket(ps, W, rank, default_decays)) for m, ps in unit_params if ps]
-            self.buckets = [b for _, b in pairs]
-        self.comm.check_same('bucket layout', fingerprint(self.buckets) + [cfg.stage])
+        # 1) the layout: buckets in the order backward fills them, checked equal on every rank
+        self.buckets = self.plan_buckets(model, params, units)
+        self.comm.check_same('bucket layout', fingerprint(self.buckets) + [self.stage])
         shard_numel = 0
         for b in self.buckets:
             b.shard_offset, shard_numel = shard_numel, shard_numel + b.shard_numel
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-
         # 2) the sharded fp32 optimizer state: one (shard_numel,) tensor each, a slice per bucket
         device = params[0].device
         self.master_shard, self.exp_avg, self.exp_avg_sq, self.grad_shard = (
             torch.zeros(shard_numel, dtype=torch.float32, device=device) for _ in range(4))
         self.found_inf = torch.zeros(1, device=device)
         self.step_count = 0
-
-        # 3) the compute params: fp32 values from rank 0 (like DDP) -> master shard + param_dtype copy
-        if cfg.stage < 3:
-            # every param becomes a view into one flat_param; grads of stage 1 into one flat_grad
-            self.flat_param = torch.empty(sum(b.padded_numel for b in self.buckets), dtype=cfg.param_dtype, device=device)
-            start = 0
-            for b in self.buckets:
-                flat32 = b.pack(torch.float32)
-                self.comm.broadcast(flat32)
-                self.master_shard[b.shard_slice] = b.shard(flat32)
-                b.flat_param = self.flat_param[start:start + b.padded_numel]
-                b.flat_param.copy_(flat32)
-                for p, view in b.views(b.flat_param):
-                    p.data = view
-                start += b.padded_numel
-            if cfg.stage == 1:
-                self.flat_grad = torch.zeros_like(self.flat_param, dtype=cfg.reduce_dtype)
-                start = 0
-                for b in self.buckets:
-                    b.flat_grad, start = self.flat_grad[start:start + b.padded_numel], start + b.padded_numel
-        else:
-            self.units = fsdp_lite.fully_shard(pairs, model, self.comm, cfg)
-            for b in self.buckets:
-                self.master_shard[b.shard_slice] = b.unit.master_init
-                del b.unit.master_init
+        # 3) the compute params, from rank 0's fp32 values (like DDP); the master shards from the same
+        self.init_params()
         for p in model.parameters():  # frozen params: not sharded, just in the compute dtype everywhere
             if not p.requires_grad:
                 p.data = p.data.to(cfg.param_dtype)
@@ -298,12 +266,35 @@ class Zero:
         self.in_flight = []  # (bucket, work, output) of launched reduce-scatters
         self.live_grad_buffers = self.peak_grad_buffers = 0  # stages 2/3: bucket-sized grad buffers alive
 
+    def plan_buckets(self, model, params, units):
+        bucket_numel = self.cfg.bucket_mb * 2**20 // self.cfg.reduce_dtype.itemsize
+        return plan_buckets(params[::-1], bucket_numel, self.comm.world_size, self.comm.rank)
+
+    def init_params(self):
+        """Every param becomes a view into one flat_param (param_dtype); stage 1's grads go into one flat_grad."""
+        self.flat_param = torch.empty(sum(b.padded_numel for b in self.buckets), dtype=self.cfg.param_dtype,
+                                      device=self.master_shard.device)
+        self.flat_grad = torch.zeros_like(self.flat_param, dtype=self.cfg.reduce_dtype)
+        start = 0
+        for b in self.buckets:
+            flat32 = b.pack(torch.float32)
+            self.comm.broadcast(flat32)
+            self.master_shard[b.shard_slice] = b.shard(flat32)
+            b.flat_param = self.flat_param[start:start + b.padded_numel]
+            b.flat_param.copy_(flat32)
+            for p, view in b.views(b.flat_param):
+                p.data = view
+            b.flat_grad = self.flat_grad[start:start + b.padded_numel]
+            start += b.padded_numel
+
+    def param_shard(self, b):
+        return b.shard(b.flat_param)  # this rank's slice of the bucket's compute params
+
     # --- grads: collected by per-param hooks, reduce-scattered bucket by bucket during backward
 
     def set_grad_sync(self, sync):
-        """sync=False (stage 1 only, not the last micro-step): keep accumulating the full flat_grad.
-        Stages 2 and 3 keep no full grads, so they reduce-scatter on every micro-step."""
-        self.sync = sync or self.cfg.stage >= 2
+        """sync=False on all but the last micro-step: keep accumulating into the full flat_grad."""
+        self.sync = sync
 
     def backward(self, loss):
         loss.backward()
@@ -311,45 +302,42 @@ class Zero:
 
     def _on_grad(self, p):
         bucket = self.bucket_of[p]
-        if bucket.flat_grad is None:  # stages 2/3: a bucket-sized buffer exists only while it fills
-            self._new_grad_buffer(bucket)
-        view = bucket.flat_grad[bucket.offset_of[p]:][:p.numel()]
+        view = self.grad_buffer(bucket)[bucket.offset_of[p]:][:p.numel()]
         view.add_(p.grad.view(-1))  # add: stage 1 accumulates micro-steps here
-        p.grad = None  # the grad lives in flat_grad now
+        p.grad = None  # the grad lives in the bucket now
         bucket.ready.add(p)
         if self.sync:
             self._launch_ready_buckets(flush=False)
+
+    def grad_buffer(self, b):
+        return b.flat_grad
 
     def _launch_ready_buckets(self, flush):
         while self.next_bucket < len(self.buckets):
             b = self.buckets[self.next_bucket]
             if not flush and len(b.ready) < len(b.params):
                 return
-            if b.flat_grad is None:  # flush of a bucket none of whose params got a grad
-                self._new_grad_buffer(b)
             # [Note: two grad buffers] waiting for the previous reduce-scatter before launching this one
             # keeps at most two bucket-sized grad buffers alive in stages 2/3 (this one in flight, the
             # next one filling) while still overlapping each reduce-scatter with the next bucket's backward
             self._wait_in_flight()
-            out = torch.empty(b.shard_numel, dtype=self.cfg.reduce_dtype, device=b.flat_grad.device)
-            self.in_flight.append((b, self.comm.reduce_scatter(out, b.flat_grad, async_op=True), out))
-            if self.cfg.stage == 3:
-                b.unit.post_backward()  # its params are no longer needed: reshard
+            out = torch.empty(b.shard_numel, dtype=self.cfg.reduce_dtype, device=self.grad_shard.device)
+            self.in_flight.append((b, self.comm.reduce_scatter(out, self.grad_buffer(b), async_op=True), out))
+            self.launched(b)
             self.next_bucket += 1
 
-    def _new_grad_buffer(self, b):
-        b.flat_grad = torch.zeros(b.padded_numel, dtype=self.cfg.reduce_dtype, device=self.grad_shard.device)
-        self.live_grad_buffers += 1
-        self.peak_grad_buffers = max(self.peak_grad_buffers, self.live_grad_buffers)
+    def launched(self, b):
+        pass
 
     def _wait_in_flight(self):
         for b, work, out in self.in_flight:
             work.wait()
-            self.grad_shard[b.shard_slice] += out  # fp32 accumulator across micro-steps
-            if self.cfg.stage >= 2:
-                b.flat_grad = None
-                self.live_grad_buffers -= 1
+            self.grad_shard[b.shard_slice] += out  # fp32 accumulator (stages 2/3: across micro-steps)
+            self.reduced(b)
         self.in_flight = []
+
+    def reduced(self, b):
+        pass
 
     def _finish_backward(self):
         """[Note: flush] A param that got no grad this step never fires its hook, and a bucket waiting for
@@ -361,13 +349,8 @@ class Zero:
             self.next_bucket = 0
         for b in self.buckets:
             b.ready.clear()
-        if self.cfg.stage == 3:
-            fsdp_lite.finish_backward(self.units)
 
     # --- the step: AdamW on this rank's fp32 master shard, then the compute params
-
-    def param_shard(self, b):
-        return b.unit.sharded_param if self.cfg.stage == 3 else b.shard(b.flat_param)
 
     @torch.no_grad()
     def step(self, lr):
@@ -377,7 +360,7 @@ class Zero:
         self.comm.all_reduce_sum(sumsq)
         grad_norm = sumsq.sqrt().item()
         if not math.isfinite(grad_norm):  # every rank sees the same norm, so every rank skips
-            self.grad_shard.zero_()
+            self.zero_grad()
             return grad_norm
         clip = min(1.0, cfg.grad_clip / (grad_norm + 1e-6)) if cfg.grad_clip > 0 else 1.0  # as clip_grad_norm_
         self.step_count += 1
@@ -388,28 +371,35 @@ class Zero:
                                self.param_shard(b), self.found_inf, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
                                eps=cfg.eps, weight_decay=cfg.weight_decay, decay_numel=b.shard_decay_numel,
                                step=self.step_count, grad_scale=clip, impl=cfg.optimizer_impl)
-            if cfg.stage < 3:  # in place: this rank's slice of flat_param is the all-gather's input
-                gathers.append(self.comm.all_gather(b.flat_param, self.param_shard(b), async_op=True))
-        for work in gathers:  # stage 3 gathers nothing here: the next forward gathers each unit
-            work.wait()
-        self.grad_shard.zero_()
-        if cfg.stage == 1:
-            self.flat_grad.zero_()
+            gathers.append(self.gather_params(b))  # async: the next bucket's step overlaps this gather
+        for work in gathers:
+            if work is not None:
+                work.wait()
+        self.zero_grad()
         return grad_norm
+
+    def gather_params(self, b):
+        """Every rank needs every new param: all-gather in place (this rank's slice is the input)."""
+        return self.comm.all_gather(b.flat_param, self.param_shard(b), async_op=True)
+
+    def zero_grad(self):
+        self.grad_shard.zero_()
+        self.flat_grad.zero_()
 
     # --- what each rank holds, and checkpoints
 
     def populations(self):
-        """population -> (dtype, bytes this rank holds), counting the tensors this object owns."""
-        shard = self.master_shard.numel()
-        if self.cfg.stage < 3:
-            params = (self.cfg.param_dtype, self.flat_param.numel() * self.flat_param.element_size())
-        else:
-            params = (self.cfg.param_dtype, sum(u.sharded_param.numel() * u.sharded_param.element_size() for u in self.units))
-        grads = shard * 4 + (self.flat_grad.numel() * self.flat_grad.element_size() if self.cfg.stage == 1 else 0)
-        return {'params': params, 'grads': (torch.float32 if self.cfg.stage > 1 else self.cfg.reduce_dtype, grads),
-                'master': (torch.float32, shard * 4), 'exp_avg': (torch.float32, shard * 4),
-                'exp_avg_sq': (torch.float32, shard * 4)}
+        """population -> (dtype, bytes this rank holds), counted from the tensors this object owns."""
+        shard_bytes = self.master_shard.numel() * 4
+        params = sum(self.param_bytes(b) for b in self.buckets)
+        grads = shard_bytes + (self.flat_grad.numel() * self.flat_grad.element_size() if self.stage == 1 else 0)
+        return {'params': (self.cfg.param_dtype, params),
+                'grads': (self.cfg.reduce_dtype if self.stage == 1 else torch.float32, grads),
+                'master': (torch.float32, shard_bytes), 'exp_avg': (torch.float32, shard_bytes),
+                'exp_avg_sq': (torch.float32, shard_bytes)}
+
+    def param_bytes(self, b):
+        return b.flat_param.numel() * b.flat_param.element_size()
 
     def full_state_dict(self):
         """The model's state_dict in fp32, trainable params gathered from the master shards (exact,
@@ -424,12 +414,12 @@ class Zero:
 
     def state_dict(self):
         return {'step_count': self.step_count, 'master_shard': self.master_shard, 'exp_avg': self.exp_avg,
-                'exp_avg_sq': self.exp_avg_sq, 'fingerprint': fingerprint(self.buckets) + [self.cfg.stage],
+                'exp_avg_sq': self.exp_avg_sq, 'fingerprint': fingerprint(self.buckets) + [self.stage],
                 'world_size': self.comm.world_size, 'rank': self.comm.rank}
 
     @torch.no_grad()
     def load_state_dict(self, state):
-        mine = fingerprint(self.buckets) + [self.cfg.stage]
+        mine = fingerprint(self.buckets) + [self.stage]
         if state['fingerprint'] != mine or state['world_size'] != self.comm.world_size:
             raise ValueError(f"this optimizer shard was saved by a run with another layout (world_size "
                              f"{state['world_size']}, layout {state['fingerprint']}; now {self.comm.world_size}, {mine}): "
@@ -439,8 +429,82 @@ class Zero:
             getattr(self, name).copy_(state[name])
         for b in self.buckets:  # the compute params follow the masters
             self.param_shard(b).copy_(self.master_shard[b.shard_slice])
-            if self.cfg.stage < 3:
-                self.comm.all_gather(b.flat_param, self.param_shard(b))
+            work = self.gather_params(b)
+            if work is not None:
+                work.wait()
+
+# -----------------------------------------------------------------------------
+# Stage 2: ... and shard the grads
+
+
+class Zero2(Zero1):
+    """No full flat_grad: a bucket's grad buffer exists only while it fills and while its reduce-scatter
+    is in flight; the reduced slice is added into the fp32 grad_shard. Since no full grad is kept, every
+    micro-step's backward reduce-scatters (the trade: a Ψ per micro-step instead of Ψ per step)."""
+    stage = 2
+
+    def init_params(self):
+        super().init_params()
+        self.flat_grad = None
+        for b in self.buckets:
+            b.flat_grad = None
+
+    def set_grad_sync(self, sync):
+        self.sync = True
+
+    def grad_buffer(self, b):
+        if b.flat_grad is None:  # the bucket's first grad of this micro-step (or the flush)
+            b.flat_grad = torch.zeros(b.padded_numel, dtype=self.cfg.reduce_dtype, device=self.grad_shard.device)
+            self.live_grad_buffers += 1
+            self.peak_grad_buffers = max(self.peak_grad_buffers, self.live_grad_buffers)
+        return b.flat_grad
+
+    def reduced(self, b):
+        b.flat_grad = None
+        self.live_grad_buffers -= 1
+
+    def zero_grad(self):
+        self.grad_shard.zero_()
+
+# -----------------------------------------------------------------------------
+# Stage 3: ... and shard the params (the mechanics are in fsdp_lite.py)
+
+
+class Zero3(Zero2):
+    """One bucket per fsdp_lite unit; the unit holds only its shard of the params between uses. The
+    optimizer writes the sharded params; the next forward all-gathers them, so the step gathers nothing."""
+    stage = 3
+
+    def plan_buckets(self, model, params, units):
+        # one bucket per unit, in the order backward finishes them: last block first, the root last
+        unit_params = [(u, [p for p in u.parameters() if p.requires_grad]) for u in units]
+        in_units = {p for _, ps in unit_params for p in ps}
+        unit_params = unit_params[::-1] + [(model, [p for p in params if p not in in_units])]
+        self.pairs = [(m, Bucket(ps, self.comm.world_size, self.comm.rank, default_decays)) for m, ps in unit_params if ps]
+        return [b for _, b in self.pairs]
+
+    def init_params(self):
+        self.units = fsdp_lite.fully_shard(self.pairs, self.model, self.comm, self.cfg)
+        self.flat_grad = None
+        for b in self.buckets:
+            self.master_shard[b.shard_slice] = b.unit.master_init
+            del b.unit.master_init
+
+    def param_shard(self, b):
+        return b.unit.sharded_param
+
+    def param_bytes(self, b):
+        return b.unit.sharded_param.numel() * b.unit.sharded_param.element_size()
+
+    def launched(self, b):
+        b.unit.post_backward()  # the unit's grads are all in its bucket: its params can go
+
+    def _finish_backward(self):
+        super()._finish_backward()
+        fsdp_lite.finish_backward(self.units)
+
+    def gather_params(self, b):
+        return None
 
 
 def plan_buckets(params, bucket_numel, world_size, rank):
@@ -458,7 +522,10 @@ def plan_buckets(params, bucket_numel, world_size, rank):
 
 
 def build_engine(model, cfg, units=(), process_group=None):
-    return DataParallel(model, cfg, process_group) if cfg.stage == 0 else Zero(model, cfg, units, process_group)
+    """units: the submodules that become fsdp_lite units in stage 3 (e.g. the transformer blocks)."""
+    if cfg.stage == 0:
+        return DataParallel(model, cfg, process_group)
+    return (Zero1, Zero2, Zero3)[cfg.stage - 1](model, cfg, units, process_group)
 
 
 def memory_report(engine, world_size):
