@@ -1,17 +1,17 @@
 """
 Training-step benchmark: nanozero's ZeRO-1/2/3 against torch's DDP, DDP + ZeroRedundancyOptimizer and FSDP2,
-on the same model, seed and batches, in one run (2 gloo ranks on CPU, the Shakespeare CPU config):
+same model, seed and batches, in one run (2 gloo ranks on CPU, config/shakespeare_cpu.py by default):
 
     torchrun --standalone --nproc_per_node=2 bench_zero.py
     torchrun --standalone --nproc_per_node=2 bench_zero.py --rounds=10 --kinds=ddp,zero2,zero3,fsdp2
     torchrun --standalone --nproc_per_node=2 bench_zero.py --config=config/shakespeare_cpu.py --set n_layer=8
 
-Per kind: the median step time (train.train_step at a fixed lr, slowest rank) and its ratio to the torch
-baselines; the bytes of model state a rank holds, counted from tensors, and the peak of our transient
-bucket-sized buffers; for our stages, the communication time the step is blocked on ("exposed") against
-the same collectives issued alone with no compute, hence the fraction of communication hidden behind compute.
-Kinds take turns, rotating each round, so a shared machine that slows down for a while slows all alike;
-ratios are medians of per-round ratios. Exposed time is host-blocking time: meaningful with gloo on CPU.
+Per kind: the median step time (train.train_step at a fixed lr; the slowest rank) and its ratio to the torch
+baselines; the model-state bytes a rank holds, counted from tensors, and the peak of our transient bucket-sized
+buffers; for our stages, the communication time the step is blocked on ("exposed") against the same collectives
+issued alone without compute, hence the fraction of communication hidden behind compute. Kinds take turns,
+rotating each round, so a shared machine that slows down for a while slows all alike. Exposed time is time the
+host is blocked: meaningful with gloo on CPU (on CUDA, wait() only orders streams).
 """
 import argparse
 import dataclasses
@@ -38,6 +38,10 @@ MB = 2**20
 def nbytes(t):
     t = t.to_local() if isinstance(t, DTensor) else t  # FSDP2: this rank's shard only
     return t.numel() * t.element_size()
+
+
+def ours(engine):
+    return hasattr(engine, 'buckets')  # zero.py's stages 1-3, not DataParallel, not torch's
 
 # -----------------------------------------------------------------------------
 # torch's engines, behind zero.DataParallel's interface
@@ -71,7 +75,7 @@ class TorchEngine:
         return norm.item()
 
     def populations(self):
-        local = getattr(self.optimizer, 'optim', self.optimizer)  # ZeroRedundancyOptimizer: this rank's shard
+        local = getattr(self.optimizer, 'optim', self.optimizer)  # ZeroRedundancyOptimizer: this rank's share
         state = sum(nbytes(t) for s in local.state.values() for t in s.values() if torch.is_tensor(t))
         return {'params': sum(nbytes(p) for p in self.params), 'grads': self.grad_bytes, 'optimizer state': state}
 
@@ -84,29 +88,27 @@ def build(kind, cfg, device):
     if kind == 'ddp' or kind.startswith('zero'):
         stage = 0 if kind == 'ddp' else int(kind[-1])
         return zero.build_engine(model, dataclasses.replace(zcfg, stage=stage), units=list(model.transformer.h))
+    adamw = dict(lr=cfg['learning_rate'], betas=(zcfg.beta1, zcfg.beta2), eps=zcfg.eps)
     if kind == 'ddp+zero_redundancy':
         from torch.distributed.optim import ZeroRedundancyOptimizer
         module = DDP(model)
-        optimizer = ZeroRedundancyOptimizer(model.param_groups(zcfg.weight_decay), optimizer_class=torch.optim.AdamW,
-                                            lr=cfg['learning_rate'], betas=(zcfg.beta1, zcfg.beta2), eps=zcfg.eps)
+        optimizer = ZeroRedundancyOptimizer(model.param_groups(zcfg.weight_decay), torch.optim.AdamW, **adamw)
     else:  # fsdp2: each block, then the root (embeddings, tied lm_head, ln_f), as fsdp_lite does
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         policy = MixedPrecisionPolicy(param_dtype=zcfg.param_dtype, reduce_dtype=torch.float32)
         for block in model.transformer.h:
             fully_shard(block, mp_policy=policy)
         module = fully_shard(model, mp_policy=policy)
-        optimizer = torch.optim.AdamW(model.param_groups(zcfg.weight_decay), lr=cfg['learning_rate'],
-                                      betas=(zcfg.beta1, zcfg.beta2), eps=zcfg.eps)  # after fully_shard: DTensors
+        optimizer = torch.optim.AdamW(model.param_groups(zcfg.weight_decay), **adamw)  # of the DTensor params
     return TorchEngine(module, model, optimizer, zcfg.grad_clip)
 
 
 def model_state_bytes(engine):
-    """population -> bytes on this rank. DDP (gradient_as_bucket_view=False, the default) also keeps its
-    all-reduce buckets, one more copy of every grad, for the whole run."""
-    pops = engine.populations()
-    pops = {k: v if isinstance(v, int) else v[1] for k, v in pops.items()}  # ours: (dtype, bytes)
+    """population -> bytes on this rank; DDP's all-reduce buckets (gradient_as_bucket_view=False, the default)
+    are a second copy of every grad, kept for the whole run."""
+    pops = {k: v if isinstance(v, int) else v[1] for k, v in engine.populations().items()}  # ours: (dtype, bytes)
     if isinstance(engine.module, DDP):
-        sizes = engine.module._get_ddp_logging_data().get('bucket_sizes', '')  # '26214400, 3807232' bytes
+        sizes = engine.module._get_ddp_logging_data().get('bucket_sizes', '')  # e.g. '26214400, 3807232' bytes
         pops['ddp buckets'] = sum(int(s) for s in str(sizes).split(',') if s.strip())
     return pops
 
@@ -115,6 +117,8 @@ def model_state_bytes(engine):
 
 
 class TimedWork:
+    """A collective's work handle whose wait() adds the time it blocks to clock.exposed."""
+
     def __init__(self, work, clock):
         self.work, self.clock = work, clock
 
@@ -126,18 +130,20 @@ class TimedWork:
 
 class CommClock:
     """Wraps zero.Comm's collectives: `exposed` adds up the seconds the caller is blocked on them (the launch,
-    the .wait() on the work handle, all of a synchronous call; including waiting for a slower rank). When
-    `trace` is a list, each call's (collective, tensor shapes) is recorded, for `replay`."""
+    the .wait() on the work handle, all of a synchronous call). When `trace` is a list, each call is recorded
+    with zero tensors of its shapes (one per shape and dtype, shared), to be replayed alone."""
 
     def __init__(self):
-        self.exposed, self.trace = 0.0, None
+        self.exposed, self.trace, self.buffers = 0.0, None, {}
         for name in ('all_gather', 'reduce_scatter', 'all_reduce_sum'):
             setattr(zero.Comm, name, self.timed(getattr(zero.Comm, name)))
 
     def timed(self, real):
         def call(comm, *tensors, **kwargs):
             if self.trace is not None:
-                self.trace.append((real, [(t.shape, t.dtype, t.device) for t in tensors]))
+                keys = [(t.shape, t.dtype, t.device) for t in tensors]
+                self.trace.append((real, [self.buffers.setdefault(key, torch.zeros(key[0], dtype=key[1], device=key[2]))
+                                          for key in keys]))
             t0 = time.perf_counter()
             work = real(comm, *tensors, **kwargs)
             self.exposed += time.perf_counter() - t0
@@ -145,32 +151,23 @@ class CommClock:
         return call
 
 
-def replay(comm, calls):
+def replay(comm, trace):
     """The recorded collectives, each issued and waited for in turn, with no compute around them."""
-    for real, tensors in calls:
+    for real, tensors in trace:
         real(comm, *tensors)
 
 
-def replay_buffers(trace):
-    buffers = {}  # one zero tensor per (shape, dtype): allocated once, outside the timed replay
-    return [(real, [buffers.setdefault(spec, torch.zeros(spec[0], dtype=spec[1], device=spec[2])) for spec in specs])
-            for real, specs in trace]
-
-
-def ours(engine):
-    return hasattr(engine, 'buckets')  # zero.py's stages 1-3 (not DataParallel, not torch's)
-
-
 def transient_bytes(engine):
-    """Bytes of our engines' buffers that exist only during forward/backward: stage 2/3 bucket grad buffers,
-    stage 3 unsharded units (a resharded unit's storage is resized to 0)."""
+    """Our buffers that live only during forward/backward: stage 2/3 bucket grad buffers, stage 3 unsharded
+    units (a resharded unit's storage is resized to 0)."""
     grads = sum(nbytes(b.flat_grad) for b in engine.buckets if b.flat_grad is not None) if engine.cfg.stage >= 2 else 0
     params = sum(u.unsharded_param.untyped_storage().nbytes() for u in engine.units) if engine.cfg.stage == 3 else 0
     return grads + params
 
 
 def transient_bound(engine):
-    """The same from the engine's counters: peak live buffers x the largest one (+ the root unit, stage 3)."""
+    """The same from the engine's counters: peak live grad buffers x the largest bucket, and in stage 3 peak live
+    block units x the largest block + the root unit (unsharded from its forward to the end of backward)."""
     if not ours(engine) or engine.cfg.stage == 1:
         return 0
     bound = engine.peak_grad_buffers * max(b.padded_numel for b in engine.buckets) * engine.cfg.reduce_dtype.itemsize
@@ -181,16 +178,13 @@ def transient_bound(engine):
 
 
 def meter_transient(engine, peak):
-    """Hooks that record the exact peak of transient_bytes(engine) into peak[0]: grad buffers are allocated
-    in the engine's grad hooks, units unsharded in its forward pre-hooks and backward pre-hooks, so sampling
-    after every param's grad hook and every unit's forward pre-hook (ours run after the engine's, registered
-    later) sees every allocation. Returns the handles: remove them before timing."""
+    """Hooks that keep the peak of transient_bytes(engine) in peak[0]. The engine allocates grad buffers in its
+    param grad hooks and unshards units in its forward and pre-backward hooks; ours, registered later, run after
+    them: after every param's grad and every unit's forward pre-hook. Returns the handles, to remove before timing."""
     def sample(*_):
         peak[0] = max(peak[0], transient_bytes(engine))
     handles = [p.register_post_accumulate_grad_hook(sample) for p in engine.module.parameters() if p.requires_grad]
-    modules = [u.module for u in engine.units] if engine.cfg.stage == 3 else []
-    return handles + [m.register_forward_pre_hook(sample) for m in modules]
-
+    return handles + [u.module.register_forward_pre_hook(sample) for u in getattr(engine, 'units', [])]
 
 # -----------------------------------------------------------------------------
 # the benchmark
@@ -217,14 +211,13 @@ def bench_zero(args):
                 for _ in range(n)]
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
     sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
-    lr = cfg['learning_rate']
-    clock = CommClock()
+    lr, clock = cfg['learning_rate'], CommClock()
     engines = {kind: build(kind, cfg, device) for kind in kinds}
 
-    # warm-up, 2 steps each: optimizer state allocated, stage 3's forward order recorded, the AdamW kernel
-    # built; meanwhile the transient peak is metered, and the second step's collectives are recorded for the
-    # replay and counted. Same batches, same weights: the first step's loss and grad norm must agree across kinds.
-    first, calls, sent, peaks = {}, {}, {}, {}
+    # warm-up, 2 steps each: optimizer state allocated, stage 3's forward order recorded, the AdamW kernel built;
+    # the transient peak is metered, the second step's collectives recorded (to replay) and counted (to print).
+    # Same weights, same batches: the first step's loss and grad norm must agree across kinds.
+    first, traces, sent, peaks = {}, {}, {}, {}
     warm = draw(2)
     for kind, engine in engines.items():
         peak = [0]
@@ -232,14 +225,13 @@ def bench_zero(args):
         for i, batches in enumerate(warm):
             clock.trace = [] if i == 1 and ours(engine) else None
             if hasattr(engine, 'comm'):
-                engine.comm.bytes.clear()  # ours count what they send, DDP's all-reduce included
+                engine.comm.bytes.clear()  # ours count what they send, DataParallel's all-reduce included
             loss, norm = train.train_step(engine, batches, lr, autocast)
             first.setdefault(kind, (loss.item(), norm))
         for h in handles:
             h.remove()
-        calls[kind], peaks[kind] = (replay_buffers(clock.trace) if clock.trace else None), peak[0]
+        traces[kind], peaks[kind], clock.trace = clock.trace, peak[0], None
         sent[kind] = dict(engine.comm.bytes) if hasattr(engine, 'comm') else {}
-        clock.trace = None
 
     steps = args.rounds * args.steps
     times, exposed, alone = (torch.zeros(len(kinds), n) for n in (steps, steps, args.rounds))  # seconds
@@ -247,78 +239,82 @@ def bench_zero(args):
         batches_r = draw(args.steps)
         for k in [(r + i) % len(kinds) for i in range(len(kinds))]:  # rotate the order each round
             engine = engines[kinds[k]]
-            dist.barrier()  # ranks start each timed block together
+            dist.barrier()  # the ranks start each timed block together
             for s, batches in enumerate(batches_r):
-                clock.exposed = 0.0
-                t0 = time.perf_counter()
+                clock.exposed, t0 = 0.0, time.perf_counter()
                 train.train_step(engine, batches, lr, autocast)
                 sync()
                 times[k, r * args.steps + s], exposed[k, r * args.steps + s] = time.perf_counter() - t0, clock.exposed
             dist.barrier()
-            if calls[kinds[k]]:
+            if traces[kinds[k]]:
                 t0 = time.perf_counter()
-                replay(engine.comm, calls[kinds[k]])
+                replay(engine.comm, traces[kinds[k]])
                 alone[k, r] = time.perf_counter() - t0
                 dist.barrier()
 
-    # across ranks: a step lasts as long as its slowest rank. Blocked time also counts waiting for a rank still
-    # computing; the rank that was blocked least waited least for the other: its time is the comm's own
+    # a step lasts as long as its slowest rank. Blocked time also counts waiting for a rank still computing:
+    # the rank blocked least waited least for the other, its blocked time is closest to the comm's own
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     dist.all_reduce(exposed, op=dist.ReduceOp.MIN)
     dist.all_reduce(alone, op=dist.ReduceOp.MIN)
     pops = {kind: model_state_bytes(engines[kind]) for kind in kinds}
-    mine = torch.tensor([[sum(pops[kind].values()), peaks[kind], transient_bound(engines[kind])]
-                         for kind in kinds] + [[resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 0, 0]],
-                        dtype=torch.float64)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    mine = torch.tensor([[sum(pops[kind].values()), peaks[kind], transient_bound(engines[kind])] for kind in kinds]
+                        + [[rss, 0, 0]], dtype=torch.float64)  # (kinds + 1, 3) bytes
     every = torch.empty(world_size * mine.shape[0], 3, dtype=torch.float64)
     dist.all_gather_into_tensor(every, mine)
-    every = every.view(world_size, -1, 3)  # (world_size, kinds + 1, 3) bytes
     if rank == 0:
-        report(args, cfg, kinds, engines, first, sent, times, exposed, alone, pops, every)
+        report(args, cfg, engines, first, sent, times, exposed, alone, pops, every.view(world_size, -1, 3))
     dist.barrier()  # every rank done, no async work left, before the process group goes
     dist.destroy_process_group()
 
 
-def report(args, cfg, kinds, engines, first, sent, times, exposed, alone, pops, every):
-    world_size, K = every.shape[0], len(kinds)
+def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):
+    kinds, (world_size, K) = list(engines), (every.shape[0], len(engines))
     psi = engines[kinds[0]].psi
     per_round = times.view(K, args.rounds, args.steps).median(dim=2).values  # (K, rounds)
-    step = {kind: times[k].median().item() for k, kind in enumerate(kinds)}
 
-    def ratio(kind, ref):  # median over rounds of this round's ratio: robust to the machine's load drifting
-        return (per_round[kinds.index(kind)] / per_round[kinds.index(ref)]).median().item()
+    def ratio(kind, ref):  # median over rounds of that round's ratio: robust to the machine's load drifting
+        return f"{(per_round[kinds.index(kind)] / per_round[kinds.index(ref)]).median().item():.2f}x"
 
-    print(f"world size {world_size} ({dist.get_backend()}), device {cfg['device']}, dtype {cfg['dtype']}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads/rank; Ψ = {psi:,} params "
-          f"({cfg['n_layer']} layers x {cfg['n_embd']}), {cfg['gradient_accumulation_steps'] // world_size} micro-step x "
-          f"{cfg['batch_size']} x {cfg['block_size']} tokens per rank; {args.rounds} rounds x {args.steps} steps per kind")
+    print(f"world size {world_size} ({dist.get_backend()}), device {cfg['device']}, dtype {cfg['dtype']}, torch "
+          f"{torch.__version__}, {torch.get_num_threads()} thread(s)/rank; Ψ = {psi:,} params ({cfg['n_layer']} layers x "
+          f"{cfg['n_embd']}); {cfg['gradient_accumulation_steps'] // world_size} micro-step x {cfg['batch_size']} x "
+          f"{cfg['block_size']} tokens per rank; {args.rounds} rounds x {args.steps} timed steps per kind")
     losses, norms = zip(*first.values())
     print(f"first step, same weights and batches in every kind: loss {losses[0]:.5f} (spread {max(losses) - min(losses):.1e}), "
           f"grad norm {norms[0]:.5f} (spread {max(norms) - min(norms):.1e})")
     print(f"\n$ torchrun --standalone --nproc_per_node={world_size} {' '.join(sys.argv)}\n")
-    print("| kind | step ms (median) | vs ddp | vs torch counterpart | model-state MB/rank | peak transient MB "
-          "(bound) | exposed comm ms (of step) | comm alone ms | hidden |")
+    print("| kind | step ms (median) | vs ddp | vs torch counterpart | model-state MB/rank | peak transient MB (bound) "
+          "| exposed comm ms (of step) | comm alone ms | hidden |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for k, kind in enumerate(kinds):
+        step = times[k].median().item()
         state = every[:, k, 0] / MB
         state_txt = f"{state.max():.1f}" + (f" (min {state.min():.1f})" if state.max() > 1.01 * state.min() else '')
-        transient = f"{every[:, k, 1].max() / MB:.1f} ({every[:, k, 2].max() / MB:.1f})" if ours(engines[kind]) else '–'
-        comm = alone_txt = hidden = '–'
+        transient = comm = alone_txt = hidden = '–'
         if ours(engines[kind]):
             e, a = exposed[k].median().item(), alone[k].median().item()
-            comm, alone_txt, hidden = f"{e * 1e3:.1f} ({e / step[kind]:.0%})", f"{a * 1e3:.1f}", f"{1 - e / a:.0%}"
-        refs = ', '.join(f"{ratio(kind, ref):.2f}x {ref}" for ref in REFERENCES.get(kind, ()) if ref in kinds) or '–'
-        vs_ddp = f"{ratio(kind, 'ddp'):.2f}x" if 'ddp' in kinds else '–'
-        print(f"| {kind} | {step[kind] * 1e3:.1f} | {vs_ddp} | {refs} | {state_txt} | {transient} | {comm} | {alone_txt} | {hidden} |")
+            transient = f"{every[:, k, 1].max() / MB:.1f} ({every[:, k, 2].max() / MB:.1f})"
+            comm, alone_txt, hidden = f"{e * 1e3:.1f} ({e / step:.0%})", f"{a * 1e3:.1f}", f"{1 - e / a:.0%}"
+        refs = ', '.join(f"{ratio(kind, ref)} {ref}" for ref in REFERENCES.get(kind, ()) if ref in kinds) or '–'
+        vs_ddp = ratio(kind, 'ddp') if 'ddp' in kinds else '–'
+        print(f"| {kind} | {step * 1e3:.1f} | {vs_ddp} | {refs} | {state_txt} | {transient} | {comm} | {alone_txt} | {hidden} |")
 
-    print("\nmodel state on rank 0, MB (bytes / Ψ); sent per rank per step, MB (counted by zero.Comm):")
-    for kind in kinds:
-        parts = ', '.join(f"{name} {b / MB:.1f}" for name, b in pops[kind].items())
-        comm = ', '.join(f"{name} {b / MB:.1f}" for name, b in sorted(sent[kind].items()))
-        print(f"  {kind:<20} {parts} = {sum(pops[kind].values()) / psi:.1f} B/param" + (f"; sent: {comm}" if comm else ''))
+    print("\nrank 0, MB: model state (bytes/Ψ); sent per step (counted by zero.Comm); transient buffers live at once")
+    for kind, engine in engines.items():
+        line = ', '.join(f"{name} {b / MB:.1f}" for name, b in pops[kind].items())
+        line += f" = {sum(pops[kind].values()) / psi:.1f} B/param"
+        if sent[kind]:
+            line += '; sent ' + ', '.join(f"{name} {b / MB:.1f}" for name, b in sorted(sent[kind].items()))
+        if ours(engine) and engine.cfg.stage >= 2:
+            line += f"; live at peak: {engine.peak_grad_buffers} bucket grad buffers"
+        if ours(engine) and engine.cfg.stage == 3:
+            line += f", {engine.units[0].schedule.peak_live} unsharded blocks + the root"
+        print(f"  {kind:<20} {line}")
     rss = ', '.join(f"rank {r} {every[r, K, 0] / MB:.0f}" for r in range(world_size))
-    print(f"peak RSS MB: {rss}; all {K} kinds live in each process: their model states (rank 0: "
-          f"{every[0, :K, 0].sum() / MB:.0f} MB) + activations, allocator caches, the runtime. A cross-check of scale only.\n")
+    print(f"peak RSS MB: {rss}. Every kind lives in each process: their model states (rank 0: {every[0, :K, 0].sum() / MB:.0f}"
+          " MB) + activations, allocator caches, the runtime. A cross-check of scale only.\n")
     print("- step: the slowest rank's wall time; ratios: median over rounds of that round's ratio of medians.\n"
           "- model state: params + grads + optimizer state counted from tensors (torch kinds: grads right after backward, "
           "DTensor local shards, ZeroRedundancyOptimizer's local state) + DDP's all-reduce buckets (a 2nd copy of the grads).\n"

@@ -276,10 +276,12 @@ def _build(impl):
             return cpp_extension.load_inline(
                 name=f"nanozero_adamw_cpu_{isa}", cpp_sources=[ARGS_STRUCT + BINDING + CPU_SOURCE],
                 functions=["adamw_step"], extra_cflags=CPU_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
-        if "TORCH_CUDA_ARCH_LIST" not in os.environ:  # build for this GPU only, e.g. "9.0" on H100/H200
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "%d.%d" % torch.cuda.get_device_capability()
+        # unless told otherwise, build for this GPU only: "9.0" (sm_90) on H100/H200; the arch list is in the
+        # name so builds for different GPUs sharing an extensions dir do not overwrite each other
+        arch = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "%d.%d" % torch.cuda.get_device_capability())
         return cpp_extension.load_inline(
-            name="nanozero_adamw_cuda", cpp_sources=[ARGS_STRUCT + BINDING + CUDA_GLUE],
+            name="nanozero_adamw_cuda_" + "".join(c if c.isalnum() else "_" for c in arch),
+            cpp_sources=[ARGS_STRUCT + BINDING + CUDA_GLUE],
             cuda_sources=[CUDA_SOURCE], functions=["adamw_step"],
             extra_cflags=["-O3"], extra_cuda_cflags=CUDA_FLAGS, verbose=False)
     except Exception as e:  # the compiler's first "error:" line says more than "Error building extension"
@@ -309,7 +311,7 @@ def resolve_impl(name="auto", device=torch.device("cpu")):
     if name != "auto":
         raise RuntimeError(f"kernels: impl={name!r} is not available: {_EXTENSIONS[kernel]}")
     if first_try:
-        warnings.warn(f"kernels: using the PyTorch reference AdamW step: {_EXTENSIONS[kernel]}", stacklevel=3)
+        warnings.warn(f"kernels: using the PyTorch reference AdamW step: {_EXTENSIONS[kernel]}", stacklevel=2)
     return "reference"
 
 # ----------------------------------------------------------------------------

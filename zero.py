@@ -181,14 +181,16 @@ class DataParallel:
         self.cfg, self.comm = cfg, Comm(process_group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.psi = sum(p.numel() for p in self.params)
-        self.module = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group)
+        # gradient_as_bucket_view: grads live in DDP's all-reduce buckets, not in a second copy (4Ψ, not 8Ψ)
+        self.module = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group,
+                                                                gradient_as_bucket_view=True)
 
         def counted_allreduce(comm, bucket):
             comm.count('all_reduce', bucket.buffer(), factor=2)
             return allreduce_hook(process_group, bucket)
         self.module.register_comm_hook(self.comm, counted_allreduce)
-        groups = [{'params': [p for p in self.params if decay(p)], 'weight_decay': wd}
-                  for decay, wd in ((default_decays, cfg.weight_decay), (lambda p: not default_decays(p), 0.0))]
+        groups = [{'params': [p for p in self.params if default_decays(p)], 'weight_decay': cfg.weight_decay},
+                  {'params': [p for p in self.params if not default_decays(p)], 'weight_decay': 0.0}]
         self.optimizer = torch.optim.AdamW(groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                            fused=self.params[0].is_cuda)
         # params stay fp32 here; param_dtype is the autocast dtype, and float16 needs loss scaling
