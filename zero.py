@@ -7,9 +7,10 @@ it on every one of N ranks. ZeRO keeps each number on exactly one rank:
 
     stage 1  shard the optimizer state      2Ψ + 2Ψ + 12Ψ/N     reduce-scatter grads + all-gather params = 2Ψ
     stage 2  ... and the grads              2Ψ + (2Ψ + 12Ψ)/N   the same 2Ψ, reduced during backward
-    stage 3  ... and the params (fsdp_lite) 16Ψ/N               + an all-gather per block in fwd and bwd = 3Ψ
+    stage 3  ... and the params (fsdp_lite) 16Ψ/N               + an all-gather per block in fwd and bwd = 3Ψ*
 
-(communication in elements per rank per step; a DDP all-reduce = reduce-scatter + all-gather = 2Ψ).
+(communication in elements per rank per step; a DDP all-reduce = reduce-scatter + all-gather = 2Ψ.
+*3Ψ less the root unit, which stays gathered from its forward to the end of backward, as in FSDP2).
 The `Comm` object below counts what this code actually sends, so the training log shows those figures.
 
 Reading order: Comm (the collectives), Bucket (the flat layout), DataParallel (stage 0, the baseline),
@@ -304,12 +305,14 @@ class Zero1:
 
     def _on_grad(self, p):
         bucket = self.bucket_of[p]
-        view = self.grad_buffer(bucket)[bucket.offset_of[p]:][:p.numel()]
-        view.add_(p.grad.view(-1))  # add: stage 1 accumulates micro-steps here
-        p.grad = None  # the grad lives in the bucket now
         bucket.ready.add(p)
+        self.grad_ready(bucket, p)
         if self.sync:
             self._launch_ready_buckets(flush=False)
+
+    def grad_ready(self, b, p):
+        b.flat_grad[b.offset_of[p]:][:p.numel()].add_(p.grad.view(-1))  # add: accumulates micro-steps
+        p.grad = None  # the grad lives in flat_grad now
 
     def grad_buffer(self, b):
         return b.flat_grad
@@ -319,9 +322,10 @@ class Zero1:
             b = self.buckets[self.next_bucket]
             if not flush and len(b.ready) < len(b.params):
                 return
-            # [Note: two grad buffers] waiting for the previous reduce-scatter before launching this one
-            # keeps at most two bucket-sized grad buffers alive in stages 2/3 (this one in flight, the
-            # next one filling) while still overlapping each reduce-scatter with the next bucket's backward
+            # [Note: one grad buffer] waiting for the previous reduce-scatter before launching this one
+            # keeps one bucket-sized grad buffer alive in stages 2/3 (the one in flight; the next bucket's
+            # grads wait as p.grad, which autograd allocated anyway), while each reduce-scatter still
+            # overlaps the backward of the next bucket
             self._wait_in_flight()
             out = torch.empty(b.shard_numel, dtype=self.cfg.reduce_dtype, device=self.grad_shard.device)
             self.in_flight.append((b, self.comm.reduce_scatter(out, self.grad_buffer(b), async_op=True), out))
@@ -440,8 +444,8 @@ class Zero1:
 
 
 class Zero2(Zero1):
-    """No full flat_grad: a bucket's grad buffer exists only while it fills and while its reduce-scatter
-    is in flight; the reduced slice is added into the fp32 grad_shard. Since no full grad is kept, every
+    """No full flat_grad: a bucket's grad buffer exists only while its reduce-scatter is in flight; the
+    reduced slice is added into the fp32 grad_shard. Since no full grad is kept, every
     micro-step's backward reduce-scatters (the trade: a Ψ per micro-step instead of Ψ per step)."""
     stage = 2
 
@@ -454,11 +458,17 @@ class Zero2(Zero1):
     def set_grad_sync(self, sync):
         self.sync = True
 
+    def grad_ready(self, b, p):
+        pass  # keep p.grad until the whole bucket is ready, then copy it into a fresh buffer
+
     def grad_buffer(self, b):
-        if b.flat_grad is None:  # the bucket's first grad of this micro-step (or the flush)
-            b.flat_grad = torch.zeros(b.padded_numel, dtype=self.cfg.reduce_dtype, device=self.grad_shard.device)
-            self.live_grad_buffers += 1
-            self.peak_grad_buffers = max(self.peak_grad_buffers, self.live_grad_buffers)
+        b.flat_grad = torch.zeros(b.padded_numel, dtype=self.cfg.reduce_dtype, device=self.grad_shard.device)
+        for p, view in b.views(b.flat_grad):
+            if p.grad is not None:  # None: no grad this micro-step (flush); zeros are sent for it
+                view.copy_(p.grad)
+                p.grad = None
+        self.live_grad_buffers += 1
+        self.peak_grad_buffers = max(self.peak_grad_buffers, self.live_grad_buffers)
         return b.flat_grad
 
     def reduced(self, b):
@@ -510,14 +520,15 @@ class Zero3(Zero2):
 
 
 def plan_buckets(params, bucket_numel, world_size, rank):
-    """Greedy: fill a bucket until it holds bucket_numel elements (a bigger param gets one to itself)."""
+    """Greedy, in order: start a new bucket when the next param would overflow this one (a param bigger
+    than bucket_numel gets a bucket to itself)."""
     buckets, current, numel = [], [], 0
     for p in params:
-        current.append(p)
-        numel += p.numel()
-        if numel >= bucket_numel:
+        if current and numel + p.numel() > bucket_numel:
             buckets.append(current)
             current, numel = [], 0
+        current.append(p)
+        numel += p.numel()
     if current:
         buckets.append(current)
     return [Bucket(ps, world_size, rank, default_decays) for ps in buckets]
