@@ -112,6 +112,12 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
     dict(losses, norms, params, engine info) as seen by this rank."""
     model = tiny_model(rank, model_kw, frozen_and_unused, mismatch)
     engine = make_engine(kind, model, grad_clip, **zero_kw)
+    resident = []  # zero3: block units holding unsharded storage, sampled as each block's forward starts
+    if kind == 'zero3':
+        blocks = [u for u in engine.units if not u.is_root]
+        for u in blocks:
+            u.module.register_forward_pre_hook(
+                lambda *_: resident.append(sum(b.unsharded_param.untyped_storage().nbytes() > 0 for b in blocks)))
     if wrong_checkpoint:  # optimizer shards of a 2-layer model into a 3-layer one
         engine.load_state_dict(make_engine(kind, tiny_model(rank, {'n_layer': 2}), grad_clip, **zero_kw).state_dict())
     data = torch.Generator().manual_seed(1234)
@@ -143,7 +149,9 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
         info.update(shard_numel=engine.master_shard.numel(), padded=sum(b.padded_numel for b in engine.buckets),
                     peak_grad_buffers=engine.peak_grad_buffers, n_buckets=len(engine.buckets))
         if kind == 'zero3':
-            info.update(peak_live=engine.units[0].schedule.peak_live, root_padded=engine.buckets[-1].padded_numel)
+            info.update(peak_live=engine.units[0].schedule.peak_live, root_padded=engine.buckets[-1].padded_numel,
+                        peak_resident=max(resident, default=0),
+                        resident_after=sum(u.unsharded_param.untyped_storage().nbytes() for u in engine.units))
     return dict(losses=losses, norms=norms, params=params, **info)
 
 
@@ -162,16 +170,15 @@ def oracle_runs(world_size):
     accums = (world_size, 2 * world_size)  # 1 and 2 micro-steps per rank
     jobs = [dict(kind=kind, accum=a) for a in accums for kind in ('ddp', 'zero1', 'zero2', 'zero3', 'fsdp2')]
     jobs += [dict(kind='zero3', accum=accums[1], prefetch=d, reshard_after_forward=r) for d in (0, 2) for r in (True, False)]
-    jobs += [dict(kind='zero2', accum=accums[1], bucket_mb=0.001)]  # tiny buckets: one param per bucket
-    results = run_ranks(world_size, jobs)
-    for job, result in zip(jobs, results):
-        if isinstance(result, Exception):
-            raise AssertionError(f"job {job} failed on rank 0") from result
-    return {tuple(sorted(job.items())): result for job, result in zip(jobs, results)}
+    jobs += [dict(kind=k, accum=accums[1], bucket_mb=0.001) for k in ('zero1', 'zero2')]  # one param per bucket
+    return {tuple(sorted(job.items())): result for job, result in zip(jobs, run_ranks(world_size, jobs))}
 
 
 def get(world_size, **job):
-    return oracle_runs(world_size)[tuple(sorted(job.items()))]
+    result = oracle_runs(world_size)[tuple(sorted(job.items()))]
+    if isinstance(result, Exception):
+        raise AssertionError(f"job {job} failed on rank 0 at world size {world_size}") from result
+    return result
 
 # -----------------------------------------------------------------------------
 # the model
@@ -287,8 +294,9 @@ def test_zero12_match_ddp_with_tied_embeddings_accumulation_and_clipping(world_s
 
 
 @pytest.mark.parametrize('world_size', [2, 3])
-def test_zero2_one_param_per_bucket_matches_ddp(world_size):
-    assert_same_run(get(world_size, kind='zero2', accum=2 * world_size, bucket_mb=0.001),
+@pytest.mark.parametrize('stage', [1, 2])
+def test_zero12_one_param_per_bucket_matches_ddp(world_size, stage):
+    assert_same_run(get(world_size, kind=f'zero{stage}', accum=2 * world_size, bucket_mb=0.001),
                     get(world_size, kind='ddp', accum=2 * world_size))
 
 
@@ -311,6 +319,17 @@ def test_zero3_prefetch_depth_and_reshard_after_forward_do_not_change_numbers(wo
             if reshard:
                 assert other['peak_live'] <= prefetch + 1  # unsharded block units at once
     assert base['peak_live'] <= 2
+
+
+@pytest.mark.parametrize('world_size', [2, 3])
+def test_zero3_really_frees_unsharded_params(world_size):
+    """The storage, not just the state: at most prefetch + 1 block units hold their unsharded bytes at any
+    block's forward, and after backward nothing does (the root included)."""
+    for prefetch in (0, 1, 2):
+        r = get(world_size, kind='zero3', accum=2 * world_size,
+                **({} if prefetch == 1 else dict(prefetch=prefetch, reshard_after_forward=True)))
+        assert r['peak_resident'] <= prefetch + 1, (prefetch, r['peak_resident'])
+        assert r['resident_after'] == 0, r['resident_after']
 
 
 @pytest.mark.parametrize('stage', [1, 2, 3])
