@@ -1,13 +1,20 @@
 """
 Benchmarks, one mode per idea:
 
-    python bench.py kernels                                # fused AdamW step vs torch, CPU sizes 1M..64M
-    python bench.py kernels --device cuda                  # GPU sizes 1M..256M
+    python bench.py kernels                                # on the GPU if there is one: sizes 1M..256M
+    python bench.py kernels --device cpu                   # CPU sizes 1M..64M (256M would need ~8 GB)
     python bench.py kernels --sizes 1M,16M --device cpu
+    OMP_NUM_THREADS=1 python bench.py kernels --device cpu # steadier numbers on a shared machine
+    torchrun --standalone --nproc_per_node=2 bench.py zero # a training step: ZeRO-1/2/3 vs DDP, ZeRO optimizer, FSDP2
 
 kernels: for each flat shard size n, time kernels.adamw_step (fp32 master/m/v, fp32 grad, bf16 param out)
 against the best torch offers on the same buffers: torch.optim.AdamW(fused=True) stepping the fp32 master,
 plus the `param.copy_(master)` cast to bf16 that it needs afterwards (and the foreach path, for context).
+Goals: time ratio <= 0.9 on CPU and GPU; on GPU >= 0.85 of the copy bandwidth. The bandwidth counts the
+bytes the step must move (30 B/elem) and the copy's read + write (8 B/elem); on a CPU the copy also pays
+a read of each destination line before writing it, so there "of copy" can exceed 1.
+
+zero: see bench_zero.py (step time ratios, bytes per rank, exposed communication).
 """
 import argparse
 import functools
@@ -15,6 +22,7 @@ import time
 
 import torch
 
+import bench_zero
 import kernels
 
 # ----------------------------------------------------------------------------
@@ -109,12 +117,13 @@ def bench_kernels(args):
 # ----------------------------------------------------------------------------
 # the dispatcher: one entry per mode, each a function taking the parsed args
 
-MODES = {"kernels": bench_kernels}
+MODES = {"kernels": bench_kernels, "zero": bench_zero.bench_zero}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=sorted(MODES))
     parser.add_argument("--sizes", default=None, help="comma-separated shard sizes, e.g. 1M,4M,16M")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    bench_zero.add_arguments(parser)
     args = parser.parse_args()
     MODES[args.mode](args)

@@ -2,9 +2,9 @@
 Training-step benchmark: nanozero's ZeRO-1/2/3 against torch's DDP, DDP + ZeroRedundancyOptimizer and FSDP2,
 same model, seed and batches, in one run (2 gloo ranks on CPU, config/shakespeare_cpu.py by default):
 
-    torchrun --standalone --nproc_per_node=2 bench_zero.py
-    torchrun --standalone --nproc_per_node=2 bench_zero.py --rounds=10 --kinds=ddp,zero2,zero3,fsdp2
-    torchrun --standalone --nproc_per_node=2 bench_zero.py --config=config/shakespeare_cpu.py --set n_layer=8
+    torchrun --standalone --nproc_per_node=2 bench.py zero
+    torchrun --standalone --nproc_per_node=2 bench.py zero --rounds=10 --kinds=ddp,zero2,zero3,fsdp2
+    torchrun --standalone --nproc_per_node=2 bench.py zero --config=config/shakespeare_cpu.py --set n_layer=8
 
 Per kind: the median step time (train.train_step at a fixed lr; the slowest rank) and its ratio to the torch
 baselines; the model-state bytes a rank holds, counted from tensors, and the peak of our transient bucket-sized
@@ -82,8 +82,8 @@ class TorchEngine:
 
 def build(kind, cfg, device):
     torch.manual_seed(cfg['seed'])  # every kind starts from the same weights
-    model = GPT(GPTConfig(n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_embd=cfg['n_embd'], block_size=cfg['block_size'],
-                          bias=cfg['bias'], vocab_size=50304, dropout=cfg['dropout'])).to(device)
+    shape = {key: cfg[key] for key in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout')}
+    model = GPT(GPTConfig(vocab_size=50304, **shape)).to(device)
     zcfg = train.zero_config(cfg)
     if kind == 'ddp' or kind.startswith('zero'):
         stage = 0 if kind == 'ddp' else int(kind[-1])
@@ -91,7 +91,7 @@ def build(kind, cfg, device):
     adamw = dict(lr=cfg['learning_rate'], betas=(zcfg.beta1, zcfg.beta2), eps=zcfg.eps)
     if kind == 'ddp+zero_redundancy':
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        module = DDP(model)
+        module = DDP(model, gradient_as_bucket_view=True)  # as zero.DataParallel: one copy of the grads
         optimizer = ZeroRedundancyOptimizer(model.param_groups(zcfg.weight_decay), torch.optim.AdamW, **adamw)
     else:  # fsdp2: each block, then the root (embeddings, tied lm_head, ln_f), as fsdp_lite does
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -104,10 +104,10 @@ def build(kind, cfg, device):
 
 
 def model_state_bytes(engine):
-    """population -> bytes on this rank; DDP's all-reduce buckets (gradient_as_bucket_view=False, the default)
-    are a second copy of every grad, kept for the whole run."""
+    """population -> bytes on this rank. DDP's all-reduce buckets hold the grads themselves when
+    gradient_as_bucket_view=True (both DDP kinds here); without it they are a second copy, kept all run."""
     pops = {k: v if isinstance(v, int) else v[1] for k, v in engine.populations().items()}  # ours: (dtype, bytes)
-    if isinstance(engine.module, DDP):
+    if isinstance(engine.module, DDP) and not engine.module.gradient_as_bucket_view:
         sizes = engine.module._get_ddp_logging_data().get('bucket_sizes', '')  # e.g. '26214400, 3807232' bytes
         pops['ddp buckets'] = sum(int(s) for s in str(sizes).split(',') if s.strip())
     return pops
@@ -151,12 +151,6 @@ class CommClock:
         return call
 
 
-def replay(comm, trace):
-    """The recorded collectives, each issued and waited for in turn, with no compute around them."""
-    for real, tensors in trace:
-        real(comm, *tensors)
-
-
 def transient_bytes(engine):
     """Our buffers that live only during forward/backward: stage 2/3 bucket grad buffers, stage 3 unsharded
     units (a resharded unit's storage is resized to 0)."""
@@ -180,7 +174,7 @@ def transient_bound(engine):
 def meter_transient(engine, peak):
     """Hooks that keep the peak of transient_bytes(engine) in peak[0]. The engine allocates grad buffers in its
     param grad hooks and unshards units in its forward and pre-backward hooks; ours, registered later, run after
-    them: after every param's grad and every unit's forward pre-hook. Returns the handles, to remove before timing."""
+    those (after every param's grad, every unit's forward pre-hook). Remove the returned handles before timing."""
     def sample(*_):
         peak[0] = max(peak[0], transient_bytes(engine))
     handles = [p.register_post_accumulate_grad_hook(sample) for p in engine.module.parameters() if p.requires_grad]
@@ -246,9 +240,10 @@ def bench_zero(args):
                 sync()
                 times[k, r * args.steps + s], exposed[k, r * args.steps + s] = time.perf_counter() - t0, clock.exposed
             dist.barrier()
-            if traces[kinds[k]]:
+            if traces[kinds[k]]:  # the same collectives alone: each issued and waited for in turn, no compute
                 t0 = time.perf_counter()
-                replay(engine.comm, traces[kinds[k]])
+                for real, tensors in traces[kinds[k]]:
+                    real(engine.comm, *tensors)
                 alone[k, r] = time.perf_counter() - t0
                 dist.barrier()
 
@@ -269,37 +264,49 @@ def bench_zero(args):
     dist.destroy_process_group()
 
 
+NOTES = """\
+- step: the slowest rank's wall time; ratios: of the medians. Each kind's steps are spread over the whole run.
+- model state: params + grads + optimizer state, counted from tensors (torch kinds: grads right after backward,
+  DTensor local shards, ZeroRedundancyOptimizer's local state); DDP kinds use gradient_as_bucket_view=True.
+- peak transient: our stage 2/3 bucket grad buffers + stage 3 unsharded units, sampled at every allocation;
+  (bound): peak count x largest + root unit. Not counted: autograd's .grad before it is copied, FSDP2's buffers.
+- exposed: time blocked in zero.Comm collectives (the rank blocked least); alone: the same collectives replayed
+  without compute; hidden = 1 - exposed / alone. '–': not measured (torch's collectives run inside DDP/FSDP2)."""
+
+
 def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):
     kinds, (world_size, K) = list(engines), (every.shape[0], len(engines))
     psi = engines[kinds[0]].psi
-    per_round = times.view(K, args.rounds, args.steps).median(dim=2).values  # (K, rounds)
+    p25, median, p75 = times.quantile(torch.tensor([0.25, 0.5, 0.75]), dim=1)  # (K,) seconds each
 
-    def ratio(kind, ref):  # median over rounds of that round's ratio: robust to the machine's load drifting
-        return f"{(per_round[kinds.index(kind)] / per_round[kinds.index(ref)]).median().item():.2f}x"
+    def ratio(kind, ref):
+        return f"{median[kinds.index(kind)] / median[kinds.index(ref)]:.2f}x"
 
-    print(f"world size {world_size} ({dist.get_backend()}), device {cfg['device']}, dtype {cfg['dtype']}, torch "
-          f"{torch.__version__}, {torch.get_num_threads()} thread(s)/rank; Ψ = {psi:,} params ({cfg['n_layer']} layers x "
-          f"{cfg['n_embd']}); {cfg['gradient_accumulation_steps'] // world_size} micro-step x {cfg['batch_size']} x "
-          f"{cfg['block_size']} tokens per rank; {args.rounds} rounds x {args.steps} timed steps per kind")
+    print(f"world size {world_size} ({dist.get_backend()}), device {cfg['device']}, dtype {cfg['dtype']}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)/rank; Ψ = {psi:,} params "
+          f"({cfg['n_layer']} layers x {cfg['n_embd']}); {cfg['gradient_accumulation_steps'] // world_size} micro-step"
+          f" x {cfg['batch_size']} x {cfg['block_size']} tokens per rank; {args.rounds} rounds x {args.steps} steps")
     losses, norms = zip(*first.values())
-    print(f"first step, same weights and batches in every kind: loss {losses[0]:.5f} (spread {max(losses) - min(losses):.1e}), "
-          f"grad norm {norms[0]:.5f} (spread {max(norms) - min(norms):.1e})")
+    print(f"first step, same weights and batches in every kind: loss {losses[0]:.5f} "
+          f"(spread {max(losses) - min(losses):.1e}), grad norm {norms[0]:.5f} (spread {max(norms) - min(norms):.1e})")
     print(f"\n$ torchrun --standalone --nproc_per_node={world_size} {' '.join(sys.argv)}\n")
-    print("| kind | step ms (median) | vs ddp | vs torch counterpart | model-state MB/rank | peak transient MB (bound) "
-          "| exposed comm ms (of step) | comm alone ms | hidden |")
+    print("| kind | step ms: median (p25-p75) | vs ddp | vs torch counterpart | model-state MB/rank "
+          "| peak transient MB (bound) | exposed comm ms (of step) | comm alone ms | hidden |")
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for k, kind in enumerate(kinds):
-        step = times[k].median().item()
+        step = median[k].item()
         state = every[:, k, 0] / MB
-        state_txt = f"{state.max():.1f}" + (f" (min {state.min():.1f})" if state.max() > 1.01 * state.min() else '')
-        transient = comm = alone_txt = hidden = '–'
+        cells = [kind, f"{step * 1e3:.0f} ({p25[k] * 1e3:.0f}-{p75[k] * 1e3:.0f})",
+                 ratio(kind, 'ddp') if 'ddp' in kinds else '–',
+                 ', '.join(f"{ratio(kind, ref)} {ref}" for ref in REFERENCES.get(kind, ()) if ref in kinds) or '–',
+                 f"{state.max():.1f}" + (f" (min {state.min():.1f})" if state.max() > 1.01 * state.min() else '')]
         if ours(engines[kind]):
-            e, a = exposed[k].median().item(), alone[k].median().item()
-            transient = f"{every[:, k, 1].max() / MB:.1f} ({every[:, k, 2].max() / MB:.1f})"
-            comm, alone_txt, hidden = f"{e * 1e3:.1f} ({e / step:.0%})", f"{a * 1e3:.1f}", f"{1 - e / a:.0%}"
-        refs = ', '.join(f"{ratio(kind, ref)} {ref}" for ref in REFERENCES.get(kind, ()) if ref in kinds) or '–'
-        vs_ddp = ratio(kind, 'ddp') if 'ddp' in kinds else '–'
-        print(f"| {kind} | {step * 1e3:.1f} | {vs_ddp} | {refs} | {state_txt} | {transient} | {comm} | {alone_txt} | {hidden} |")
+            e, a = exposed[k].quantile(0.5).item(), alone[k].quantile(0.5).item()
+            cells += [f"{every[:, k, 1].max() / MB:.1f} ({every[:, k, 2].max() / MB:.1f})",
+                      f"{e * 1e3:.1f} ({e / step:.0%})", f"{a * 1e3:.1f}", f"{1 - e / a:.0%}"]
+        else:
+            cells += ['–'] * 4
+        print('| ' + ' | '.join(cells) + ' |')
 
     print("\nrank 0, MB: model state (bytes/Ψ); sent per step (counted by zero.Comm); transient buffers live at once")
     for kind, engine in engines.items():
@@ -313,15 +320,9 @@ def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):
             line += f", {engine.units[0].schedule.peak_live} unsharded blocks + the root"
         print(f"  {kind:<20} {line}")
     rss = ', '.join(f"rank {r} {every[r, K, 0] / MB:.0f}" for r in range(world_size))
-    print(f"peak RSS MB: {rss}. Every kind lives in each process: their model states (rank 0: {every[0, :K, 0].sum() / MB:.0f}"
-          " MB) + activations, allocator caches, the runtime. A cross-check of scale only.\n")
-    print("- step: the slowest rank's wall time; ratios: median over rounds of that round's ratio of medians.\n"
-          "- model state: params + grads + optimizer state counted from tensors (torch kinds: grads right after backward, "
-          "DTensor local shards, ZeroRedundancyOptimizer's local state) + DDP's all-reduce buckets (a 2nd copy of the grads).\n"
-          "- peak transient: our stage 2/3 bucket grad buffers + stage 3 unsharded units, sampled at every allocation; "
-          "(bound): peak count x largest + root unit. Not counted: autograd's .grad before it is copied, FSDP2's unsharded params.\n"
-          "- exposed: time blocked in zero.Comm collectives (the rank blocked least); alone: the same collectives replayed "
-          "without compute; hidden = 1 - exposed / alone; '–': not measured (torch's collectives run inside DDP/FSDP2).")
+    print(f"peak RSS MB: {rss}. Every kind lives in each process: their model states (rank 0: "
+          f"{every[0, :K, 0].sum() / MB:.0f} MB) + activations, allocator caches, the runtime (a check of scale).\n")
+    print(NOTES)
 
 
 def add_arguments(parser):
@@ -329,8 +330,8 @@ def add_arguments(parser):
     parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
                         help="override a train.py config key, e.g. --set n_layer=8 (repeatable)")
     parser.add_argument('--kinds', default=','.join(KINDS), help="comma-separated, from " + ','.join(KINDS))
-    parser.add_argument('--rounds', type=int, default=6, help="each round times every kind, in a rotated order")
-    parser.add_argument('--steps', type=int, default=2, help="timed steps per kind per round")
+    parser.add_argument('--rounds', type=int, default=16, help="each round times every kind, in a rotated order")
+    parser.add_argument('--steps', type=int, default=1, help="timed steps per kind per round")
 
 
 if __name__ == '__main__':

@@ -67,6 +67,8 @@ struct AdamWArgs {
 CPU_SOURCE = r"""
 #include <cmath>
 #include <cstring>
+#include <algorithm>
+#include <omp.h>
 
 // bf16 is the top half of an fp32: widening is a shift, narrowing rounds off the low 16 bits.
 static inline float load(const float* x, int64_t i) { return x[i]; }
@@ -97,8 +99,7 @@ static int adamw_range(const AdamWArgs& a, int64_t begin, int64_t end, float dec
   const float grad_scale = a.grad_scale, w1 = a.one_minus_beta1, beta2 = a.beta2, w2 = a.one_minus_beta2;
   const float eps = a.eps, step_size = a.step_size, bc2_sqrt = a.bias_correction2_sqrt;
   int bad = 0;
-  // below ~64K elements a thread team costs more than it saves
-  #pragma omp parallel for simd schedule(static) reduction(|:bad) if(parallel: end - begin > 65536)
+  #pragma omp simd reduction(|:bad)
   for (int64_t i = begin; i < end; ++i) {
     float g = load(grad, i) * grad_scale;
     bad |= !std::isfinite(g);
@@ -116,8 +117,21 @@ static int adamw_range(const AdamWArgs& a, int64_t begin, int64_t end, float dec
 
 template <typename grad_t, typename param_t>
 static void adamw_cpu(const AdamWArgs& a) {
-  int bad = adamw_range<grad_t, param_t>(a, 0, a.decay_numel, a.decay);  // [decayed |
-  bad |= adamw_range<grad_t, param_t>(a, a.decay_numel, a.n, 1.0f);     //  not decayed]
+  int bad = 0;
+  // One thread team per call (below ~64K elements a team costs more than it saves). Each thread takes a
+  // contiguous chunk, a multiple of 32 elements (64 B of bf16) so threads do not share cache lines, and cuts
+  // it at decay_numel: [decayed | not decayed] -> two vectorized loops, no per-element test.
+  // E.g. n = 100000, decay_numel = 70000, 2 threads: chunk 50016, thread 0 [0, 50016) all decayed,
+  // thread 1 [50016, 70000) decayed + [70000, 100000) not.
+  #pragma omp parallel reduction(|:bad) if(a.n > 65536)
+  {
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t chunk = ((a.n + threads - 1) / threads + 31) / 32 * 32;
+    const int64_t lo = std::min(a.n, t * chunk), hi = std::min(a.n, lo + chunk);
+    const int64_t cut = std::clamp(a.decay_numel, lo, hi);
+    bad |= adamw_range<grad_t, param_t>(a, lo, cut, a.decay);
+    bad |= adamw_range<grad_t, param_t>(a, cut, hi, 1.0f);
+  }
   if (bad) *a.found_inf = 1.0f;
 }
 

@@ -336,7 +336,8 @@ def test_zero3_really_frees_unsharded_params(world_size):
 def test_bytes_each_rank_holds_match_the_formula(stage):
     r = get(3, kind=f'zero{stage}', accum=3)  # 3 ranks: every bucket needs padding
     psi, shard, padded = r['psi'], r['shard_numel'], r['padded']
-    assert shard * 3 == padded and psi <= padded < psi + 3 * r['n_buckets']  # pads: < world_size per bucket
+    assert shard * 3 == padded and psi <= padded < psi + 3 * zero.ALIGN * r['n_buckets']  # pads < W * ALIGN a bucket
+    assert shard % zero.ALIGN == 0
     pops = {k: nbytes for k, (dtype, nbytes) in r['populations'].items()}
     for name in ('master', 'exp_avg', 'exp_avg_sq'):
         assert pops[name] == 4 * shard and r['populations'][name][0] == torch.float32  # 12Ψ/N in all
@@ -359,7 +360,7 @@ def test_counted_communication_is_2psi_for_ddp_and_zero12_and_3psi_for_zero3(wor
         expected = {k: v * STEPS for k, v in per_step.items()}
         expected['all_reduce'] = 2 * STEPS  # the grad norm: one fp32 scalar a step
         assert r['comm'] == expected
-        assert 1.0 <= P / r['psi'] < 1.01
+        assert 1.0 <= P / r['psi'] < 1.02
     kept = get(world_size, kind='zero3', accum=a * world_size, prefetch=0, reshard_after_forward=False)
     assert kept['comm']['all_gather'] == STEPS * a * kept['padded']  # no backward re-gather: 2Ψ
 

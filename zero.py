@@ -84,16 +84,22 @@ class Comm:
 #
 # [Note: padding] A Bucket packs params into one 1-D buffer and pads it to a multiple of world_size, so
 # rank r's shard is the even slice flat.view(world_size, -1)[r] and one reduce_scatter_tensor /
-# all_gather_into_tensor moves the whole bucket. Example, world_size=3, params a (5 elements) and b (6):
+# all_gather_into_tensor moves the whole bucket. Example, world_size=3, params a (5 elements) and b (6),
+# and (for the example only) ALIGN=1:
 #     numel 11 -> padded_numel 12, shard_numel 4
 #     flat  = a0 a1 a2 a3 | a4 b0 b1 b2 | b3 b4 b5 pad
 #             rank 0        rank 1        rank 2
+# With ALIGN=8 every shard is a multiple of 8 elements (padded_numel 24 here, shard_numel 8), so every
+# shard and every slice of the optimizer state starts 16-byte aligned: the fused kernel's vector loads.
 # A param may straddle ranks (a, b): AdamW is elementwise, so nothing cares, except weight decay; hence
 # decayed params come first in a bucket and "decays" is one boundary, decay_numel = 5 + 6 here if both
 # decay. Pads get zero grads, so their master, exp_avg and exp_avg_sq stay 0 forever.
 # Stages 1 and 2 cut the model into buckets of ~bucket_mb in reverse registration order (roughly the
 # order backward produces grads); stage 3 uses one bucket per fsdp_lite unit. A rank's optimizer state
 # is the concatenation of its shards of every bucket, at bucket.shard_offset.
+
+
+ALIGN = 8  # shard sizes are multiples of 8 elements: 16 bytes of bf16, 32 of fp32
 
 
 class Bucket:
@@ -105,7 +111,7 @@ class Bucket:
         self.offset_of = {p: o for p, o in zip(self.params, self.offsets)}
         self.numel = sum(sizes)
         self.decay_numel = sum(n for p, n in zip(self.params, sizes) if decays(p))
-        self.padded_numel = math.ceil(self.numel / world_size) * world_size
+        self.padded_numel = math.ceil(self.numel / (world_size * ALIGN)) * world_size * ALIGN
         self.shard_numel = self.padded_numel // world_size
         self.world_size, self.rank = world_size, rank
         self.shard_offset = None  # set by Zero: where this bucket's shard sits in the optimizer state
