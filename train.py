@@ -74,8 +74,7 @@ dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported
 compile = False  # torch.compile the model (stages 0-2)
 seed = 1337
 # -----------------------------------------------------------------------------
-DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))
-            and k not in ('DEFAULTS',)}
+DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
 
 
 def parse_config(argv, defaults=DEFAULTS):

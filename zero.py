@@ -260,10 +260,11 @@ class Zero1:
         device = params[0].device
         self.master_shard, self.exp_avg, self.exp_avg_sq, self.grad_shard = (
             torch.zeros(shard_numel, dtype=torch.float32, device=device) for _ in range(4))
-        self.found_inf = torch.zeros(1, device=device)
+        self.found_inf = torch.zeros(1, device=device)  # the kernel's flag; step() already skips on a non-finite norm
         self.step_count = 0
         # 3) the compute params, from rank 0's fp32 values (like DDP); the master shards from the same
         self.init_params()
+        self.init_grads()
         for p in model.parameters():  # frozen params: not sharded, just in the compute dtype everywhere
             if not p.requires_grad:
                 p.data = p.data.to(cfg.param_dtype)
@@ -280,10 +281,9 @@ class Zero1:
         return plan_buckets(params[::-1], bucket_numel, self.comm.world_size, self.comm.rank)
 
     def init_params(self):
-        """Every param becomes a view into one flat_param (param_dtype); stage 1's grads go into one flat_grad."""
+        """Every param becomes a view into one flat_param (param_dtype)."""
         self.flat_param = torch.empty(sum(b.padded_numel for b in self.buckets), dtype=self.cfg.param_dtype,
                                       device=self.master_shard.device)
-        self.flat_grad = torch.zeros_like(self.flat_param, dtype=self.cfg.reduce_dtype)
         start = 0
         for b in self.buckets:
             flat32 = b.pack(torch.float32)
@@ -293,8 +293,14 @@ class Zero1:
             b.flat_param.copy_(flat32)
             for p, view in b.views(b.flat_param):
                 p.data = view
-            b.flat_grad = self.flat_grad[start:start + b.padded_numel]
             start += b.padded_numel
+
+    def init_grads(self):
+        """Stage 1 accumulates every grad, across micro-steps, into one full flat_grad (reduce_dtype)."""
+        self.flat_grad = torch.zeros_like(self.flat_param, dtype=self.cfg.reduce_dtype)
+        start = 0
+        for b in self.buckets:
+            b.flat_grad, start = self.flat_grad[start:start + b.padded_numel], start + b.padded_numel
 
     def param_shard(self, b):
         return b.shard(b.flat_param)  # this rank's slice of the bucket's compute params
@@ -404,9 +410,10 @@ class Zero1:
         """population -> (dtype, bytes this rank holds), counted from the tensors this object owns."""
         shard_bytes = self.master_shard.numel() * 4
         params = sum(self.param_bytes(b) for b in self.buckets)
-        grads = shard_bytes + (self.flat_grad.numel() * self.flat_grad.element_size() if self.stage == 1 else 0)
+        full = self.flat_grad  # stage 1 only
+        grads = shard_bytes + (full.numel() * full.element_size() if full is not None else 0)
         return {'params': (self.cfg.param_dtype, params),
-                'grads': (self.cfg.reduce_dtype if self.stage == 1 else torch.float32, grads),
+                'grads': (full.dtype if full is not None else torch.float32, grads),
                 'master': (torch.float32, shard_bytes), 'exp_avg': (torch.float32, shard_bytes),
                 'exp_avg_sq': (torch.float32, shard_bytes)}
 
@@ -455,11 +462,8 @@ class Zero2(Zero1):
     micro-step's backward reduce-scatters (the trade: a Ψ per micro-step instead of Ψ per step)."""
     stage = 2
 
-    def init_params(self):
-        super().init_params()
-        self.flat_grad = None
-        for b in self.buckets:
-            b.flat_grad = None
+    def init_grads(self):
+        self.flat_grad = None  # grads exist only per bucket, per micro-step: see grad_buffer
 
     def set_grad_sync(self, sync):
         self.sync = True
@@ -503,7 +507,6 @@ class Zero3(Zero2):
 
     def init_params(self):
         self.units = fsdp_lite.fully_shard(self.pairs, self.model, self.comm, self.cfg)
-        self.flat_grad = None
         for b in self.buckets:
             self.master_shard[b.shard_slice] = b.unit.master_init
             del b.unit.master_init
