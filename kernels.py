@@ -270,14 +270,15 @@ _EXTENSIONS = {}  # 'cpu' / 'cuda' -> the built module, or the RuntimeError its 
 
 
 def _build(impl):
-    """Compile (or load from the torch extensions dir) one extension; RuntimeError with a one-line reason."""
+    """Compile (or load from the torch extensions dir) one extension; RuntimeError with a one-line reason.
+    Building the CUDA one needs nvcc and a CUDA build of torch, not a GPU (set TORCH_CUDA_ARCH_LIST, e.g. "9.0")."""
     from torch.utils import cpp_extension
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja not found (pip install ninja)")
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
-    if impl == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device (torch.cuda.is_available() is False)")
+    if impl == "cuda" and torch.version.cuda is None:
+        raise RuntimeError(f"torch {torch.__version__} is a CPU-only build")
     if impl == "cuda" and cpp_extension.CUDA_HOME is None:
         raise RuntimeError("no CUDA toolkit (nvcc) found")
     # Concurrent ranks are fine: load_inline holds a file lock in the build dir, one process compiles and
@@ -292,7 +293,9 @@ def _build(impl):
                 functions=["adamw_step"], extra_cflags=CPU_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
         # unless told otherwise, build for this GPU only: "9.0" (sm_90) on H100/H200; the arch list is in the
         # name so builds for different GPUs sharing an extensions dir do not overwrite each other
-        arch = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "%d.%d" % torch.cuda.get_device_capability())
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):  # load_inline reads it from the environment
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "%d.%d" % torch.cuda.get_device_capability()
+        arch = os.environ["TORCH_CUDA_ARCH_LIST"]
         return cpp_extension.load_inline(
             name="nanozero_adamw_cuda_" + "".join(c if c.isalnum() else "_" for c in arch),
             cpp_sources=[ARGS_STRUCT + BINDING + CUDA_GLUE],
@@ -317,6 +320,8 @@ def resolve_impl(name="auto", device=torch.device("cpu")):
     first_try = kernel not in _EXTENSIONS
     if first_try:
         try:
+            if kernel == "cuda" and not torch.cuda.is_available():
+                raise RuntimeError("no CUDA device (torch.cuda.is_available() is False)")
             _EXTENSIONS[kernel] = _build(kernel)
         except RuntimeError as e:
             _EXTENSIONS[kernel] = e

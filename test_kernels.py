@@ -5,6 +5,9 @@ Tests for kernels.py: the reference is torch.optim.AdamW, and each kernel is the
 
 The first run builds the CPU extension (~25 s on 2 cores); later runs load it from the torch extensions dir.
 """
+import functools
+import os
+import re
 import shutil
 import subprocess
 import warnings
@@ -22,8 +25,27 @@ HP = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8)
 # <= lr / (1 - beta1) = 1e-2 (as |exp_avg| <~ sqrt(exp_avg_sq)), whose ulp is ~1e-9: 1e-8 is ~8 of those ulps.
 TOL = dict(rtol=1e-6, atol=1e-8)
 
-KERNELS = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CUDA cases exist only where they run
+# 'cuda-emulated' is the CUDA source compiled for the host (below): it runs wherever the CUDA headers exist,
+# GPU or not. The real 'cuda' cases exist only where a GPU is.
+CUDA_INCLUDE = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
+HAVE_CUDA_HEADERS = os.path.exists(os.path.join(CUDA_INCLUDE, "cuda_bf16.h"))
+KERNELS = ["cpu"] + (["cuda-emulated"] if HAVE_CUDA_HEADERS else []) + (["cuda"] if torch.cuda.is_available() else [])
 ALL_IMPLS = ["reference"] + KERNELS
+
+
+def device_of(impl):
+    return torch.device("cuda" if impl == "cuda" else "cpu")
+
+
+def adamw(impl, master, grad, exp_avg, exp_avg_sq, param, found_inf, *, lr, beta1, beta2, eps, weight_decay,
+          decay_numel, step, grad_scale=1.0):
+    """kernels.adamw_step(impl=impl), or the same call into the host-emulated CUDA kernel."""
+    if impl != "cuda-emulated":
+        return kernels.adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, lr=lr, beta1=beta1, beta2=beta2,
+                                  eps=eps, weight_decay=weight_decay, decay_numel=decay_numel, step=step,
+                                  grad_scale=grad_scale, impl=impl)
+    cuda_on_host().adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, decay_numel, step,
+                              lr, beta1, beta2, eps, weight_decay, grad_scale)
 
 
 def make_shard(n, grad_dtype, param_dtype, device, seed=0):
@@ -40,7 +62,7 @@ def step_both(impl, state, ref_state, grad, **kw):
     """One step of impl on state and of the reference on ref_state, each with its own found_inf."""
     for which, (master, exp_avg, exp_avg_sq, param) in ((impl, state), ("reference", ref_state)):
         found_inf = torch.zeros(1, device=master.device)
-        kernels.adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, impl=which, **HP, **kw)
+        adamw(which, master, grad, exp_avg, exp_avg_sq, param, found_inf, **HP, **kw)
         assert found_inf.item() == 0.0
 
 # ----------------------------------------------------------------------------
@@ -84,7 +106,7 @@ def test_reference_matches_torch_adamw_exactly_over_steps():
 @pytest.mark.parametrize("weight_decay,decay_split", [
     pytest.param(0.0, 0.0, id="no-decay"), pytest.param(0.1, 0.5, id="half-decayed"), pytest.param(0.1, 1.0, id="all-decayed")])
 def test_kernel_matches_reference(impl, n, grad_dtype, param_dtype, weight_decay, decay_split):
-    device = torch.device(impl)
+    device = device_of(impl)
     state = make_shard(n, grad_dtype, param_dtype, device)
     ref_state = [t.clone() for t in state]
     decay_numel = int(n * decay_split)  # 0 (none), the middle, or n (all decayed)
@@ -104,7 +126,7 @@ def test_kernel_matches_reference(impl, n, grad_dtype, param_dtype, weight_decay
 
 @pytest.mark.parametrize("impl", KERNELS)
 def test_kernel_param_can_be_an_unaligned_view_into_a_bigger_buffer(impl):
-    device = torch.device(impl)
+    device = device_of(impl)
     n = 1001
     master, exp_avg, exp_avg_sq, _ = make_shard(n, torch.float32, torch.bfloat16, device)
     ref_state = [master.clone(), exp_avg.clone(), exp_avg_sq.clone(), torch.empty(n, dtype=torch.bfloat16, device=device)]
@@ -119,7 +141,7 @@ def test_kernel_param_can_be_an_unaligned_view_into_a_bigger_buffer(impl):
 
 @pytest.mark.parametrize("impl", KERNELS)
 def test_kernel_bf16_param_rounds_to_nearest_even_and_keeps_nan(impl):
-    device = torch.device(impl)
+    device = device_of(impl)
     bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF,  # ties to even, above and below a tie
                          0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x80000000,  # rounds to +-inf, a denormal, -0
                          0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001,  # +-inf, quiet NaN, NaN that could carry into inf
@@ -129,8 +151,7 @@ def test_kernel_bf16_param_rounds_to_nearest_even_and_keeps_nan(impl):
     param = torch.empty(n, dtype=torch.bfloat16, device=device)
     zeros = torch.zeros(n, device=device)
     # lr = 0 and no decay: master comes out as it went in, and param is its rounding
-    kernels.adamw_step(master.clone(), zeros, zeros.clone(), zeros.clone(), param, torch.zeros(1, device=device),
-                       impl=impl, lr=0.0, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, decay_numel=0, step=1)
+    adamw(impl, master.clone(), zeros, zeros.clone(), zeros.clone(), param, torch.zeros(1, device=device), lr=0.0, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, decay_numel=0, step=1)
     expected = master.to(torch.bfloat16)
     is_nan = master.isnan()
     assert torch.equal(param[~is_nan].view(torch.int16), expected[~is_nan].view(torch.int16))
@@ -142,14 +163,14 @@ def test_kernel_bf16_param_rounds_to_nearest_even_and_keeps_nan(impl):
 
 @pytest.mark.parametrize("impl", ALL_IMPLS)
 def test_found_inf_is_set_by_one_inf_or_nan_and_accumulates(impl):
-    device = torch.device("cpu" if impl == "reference" else impl)
+    device = device_of(impl)
     n = 4097
     master, exp_avg, exp_avg_sq, param = make_shard(n, torch.float32, torch.bfloat16, device)
     found_inf = torch.zeros(1, device=device)
 
     def step(grad, grad_scale=1.0):
-        kernels.adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, **HP, weight_decay=0.1,
-                           decay_numel=100, step=1, grad_scale=grad_scale, impl=impl)
+        adamw(impl, master, grad, exp_avg, exp_avg_sq, param, found_inf, **HP, weight_decay=0.1,
+              decay_numel=100, step=1, grad_scale=grad_scale)
         return found_inf.item()
 
     clean = torch.randn(n, device=device)
@@ -179,6 +200,81 @@ def test_cuda_source_compiles_with_nvcc_without_torch(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "adamw.o").stat().st_size > 0
+
+
+@pytest.mark.skipif(torch.version.cuda is None or shutil.which("nvcc") is None,
+                    reason="needs a CUDA build of torch and nvcc (a GPU is not needed)")
+def test_cuda_extension_builds_and_loads(monkeypatch):
+    # the real build: load_inline, torch's CUDA headers, the binding and glue; without a GPU, for sm_90
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert callable(kernels._build("cuda").adamw_step)
+
+# ----------------------------------------------------------------------------
+# the CUDA kernel, run on the host: where no GPU is, this is how its indexing, vector/tail split, bf16 rounding
+# and found_inf vote get executed at all. The CUDA_SOURCE text is compiled by the host compiler, unchanged but
+# for its two <<<grid, block>>> launches, with the CUDA built-ins defined below. What it cannot show: races,
+# misaligned-access faults, launch limits, speed. Those need the 'cuda' cases on a GPU.
+
+HOST_CUDA_PRELUDE = r"""
+#include <torch/extension.h>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cmath>
+using std::isfinite;
+#undef __global__
+#undef __device__
+#undef __forceinline__
+#define __global__ static
+#define __device__
+#define __forceinline__ inline
+#define threadIdx host_threadIdx
+#define blockIdx host_blockIdx
+#define blockDim host_blockDim
+#define cudaGetLastError() cudaSuccess
+static dim3 host_threadIdx, host_blockIdx, host_blockDim;
+static int host_block_vote;
+// A block's threads run one after another, the highest index first, so thread 0 runs last and its
+// __syncthreads_or sees every thread's vote: exact for a kernel in which only thread 0 acts on the result.
+static int __syncthreads_or(int vote) { return host_block_vote |= vote; }
+template <typename Kernel, typename... Args>
+static void host_launch(Kernel kernel, unsigned grid, unsigned block, Args... args) {
+  host_blockDim = dim3(block);
+  for (unsigned b = 0; b < grid; ++b) {
+    host_blockIdx = dim3(b); host_block_vote = 0;
+    for (int t = (int)block - 1; t >= 0; --t) { host_threadIdx = dim3(t); kernel(args...); }
+  }
+}
+"""
+
+
+@functools.cache
+def cuda_on_host():
+    from torch.utils import cpp_extension
+    launch = re.compile(r"(adamw_kernel<[^;]*?>)<<<(.*?), (\w+), 0, stream>>>\((.*?)\);")
+    assert len(launch.findall(kernels.CUDA_SOURCE)) == 2, "update the launch pattern to the CUDA source"
+    source = launch.sub(r"host_launch(\1, \2, \3, \4);", kernels.CUDA_SOURCE)
+    glue = "void adamw_launch(const AdamWArgs& a) { TORCH_CHECK(adamw_cuda(a, nullptr) == cudaSuccess); }\n"
+    return cpp_extension.load_inline(
+        name="nanozero_adamw_cuda_on_host", cpp_sources=[HOST_CUDA_PRELUDE + source + kernels.BINDING + glue],
+        functions=["adamw_step"], extra_cflags=["-O2", "-ffp-contract=off", "-I" + CUDA_INCLUDE], verbose=False)
+
+
+@pytest.mark.skipif(not HAVE_CUDA_HEADERS, reason="no CUDA headers: cannot run the CUDA source on the host")
+def test_cuda_kernel_on_host_equals_the_cpu_kernel_bit_for_bit():
+    # same math, same roundings (explicit fma only, IEEE sqrt and divide): the two kernels agree exactly
+    n = 4097 * 3  # 12288 in the vector kernel, 3 in the tail
+    for grad_dtype, param_dtype in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)):
+        state = make_shard(n, grad_dtype, param_dtype, "cpu")
+        other = [t.clone() for t in state]
+        gen = torch.Generator().manual_seed(2)
+        for step in (1, 2, 3):
+            grad = torch.randn(n, generator=gen).to(grad_dtype)
+            for impl, (master, exp_avg, exp_avg_sq, param) in (("cpu", state), ("cuda-emulated", other)):
+                adamw(impl, master, grad, exp_avg, exp_avg_sq, param, torch.zeros(1), **HP, weight_decay=0.1,
+                      decay_numel=5000, step=step, grad_scale=0.5)
+            for a, b in zip(state, other):
+                assert torch.equal(a, b)
 
 # ----------------------------------------------------------------------------
 # building: once per process, and a failed build falls back to the reference
