@@ -4,6 +4,7 @@ Benchmarks, one mode per idea:
     python bench.py kernels                                # on the GPU if there is one: sizes 1M..256M
     python bench.py kernels --device cpu                   # CPU sizes 1M..64M (256M would need ~8 GB)
     python bench.py kernels --sizes 1M,16M --device cpu
+    python bench.py kernels --grad_dtype bfloat16          # grads reduced in bf16 (reduce_dtype='bfloat16')
     OMP_NUM_THREADS=1 python bench.py kernels --device cpu # steadier numbers on a shared machine
     torchrun --standalone --nproc_per_node=2 bench.py zero # a training step: ZeRO-1/2/3 vs DDP, ZeRO optimizer, FSDP2
 
@@ -76,13 +77,14 @@ def bench_kernels(args):
     hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     copy_gbs = copy_bandwidth(device, max(sizes + [2**26]))  # >= 256 MB each way: bigger than any cache
     print(f"device {device} ({torch.get_num_threads()} threads)" if device.type == "cpu" else
-          f"device {torch.cuda.get_device_name(device)}", f"| impl {impl} | copy bandwidth {copy_gbs:.1f} GB/s")
+          f"device {torch.cuda.get_device_name(device)}", f"| impl {impl} | grads {args.grad_dtype}",
+          f"| copy bandwidth {copy_gbs:.1f} GB/s")
     print(f"{'n':>11} {'MB moved':>9} {'ours ms':>9} {'GB/s':>7} {'of copy':>8} "
           f"{'torch fused+cast ms':>20} {'ratio':>6} {'torch foreach+cast ms':>22} {'ratio':>6}")
     for n in sizes:
         torch.manual_seed(0)
         master = torch.randn(n, device=device)
-        grad = torch.randn(n, device=device)
+        grad = torch.randn(n, device=device).to(getattr(torch, args.grad_dtype))
         exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
         param = torch.empty(n, device=device, dtype=torch.bfloat16)
         found_inf = torch.zeros(1, device=device)
@@ -93,12 +95,14 @@ def bench_kernels(args):
                                step=10, grad_scale=0.5, impl=impl, **hp)
 
         def torch_step(opt):
+            if p.grad is not grad:
+                p.grad.copy_(grad)  # bf16 grads: torch's AdamW needs them in the param's dtype, fp32
             opt.step()
             param.copy_(master)  # the bf16 cast that torch's step leaves to do
 
         # torch on the same buffers: the master is the Parameter, each optimizer keeps its own m and v
         p = torch.nn.Parameter(master)
-        p.grad = grad
+        p.grad = grad if grad.dtype == torch.float32 else torch.empty_like(master)
         fns = {"ours": ours}
         for variant in ("fused", "foreach"):
             opt = torch.optim.AdamW([p], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
@@ -107,6 +111,7 @@ def bench_kernels(args):
             fns[variant] = functools.partial(torch_step, opt)
         ms = time_ms(fns, device, repeats=max(10, min(100, 2**26 // n)))  # more repeats where they are cheap
         # 8 master + 8 exp_avg + 8 exp_avg_sq (read + write) + 4 grad read + 2 bf16 param write = 30 B/elem
+        # (28 with bf16 grads; torch then moves 28 + 6 for the grad cast + 6 for the param cast = 40)
         moved = n * (24 + grad.element_size() + param.element_size())
         gbs = moved / ms["ours"] / 1e6
         print(f"{n:>11,} {moved / 1e6:>9.0f} {ms['ours']:>9.2f} {gbs:>7.1f} {gbs / copy_gbs:>8.2f} "
@@ -123,6 +128,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=sorted(MODES))
     parser.add_argument("--sizes", default=None, help="comma-separated shard sizes, e.g. 1M,4M,16M")
+    parser.add_argument("--grad_dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="kernels: the grad shard's dtype (torch's AdamW then also pays the cast to fp32)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     bench_zero.add_arguments(parser)
     args = parser.parse_args()
