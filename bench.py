@@ -130,7 +130,8 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", default=None, help="comma-separated shard sizes, e.g. 1M,4M,16M")
     parser.add_argument("--grad_dtype", default="float32", choices=["float32", "bfloat16"],
                         help="kernels: the grad shard's dtype (torch's AdamW then also pays the cast to fp32)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
+                        help="kernels: where to run (zero takes its device from the config: --set device=cuda)")
     bench_zero.add_arguments(parser)
     args = parser.parse_args()
     MODES[args.mode](args)

@@ -11,7 +11,10 @@ baselines; the model-state bytes a rank holds, counted from tensors, and the pea
 buffers; for our stages, the communication time the step is blocked on ("exposed") against the same collectives
 issued alone without compute, hence the fraction of communication hidden behind compute. Kinds take turns,
 rotating each round, so a shared machine that slows down for a while slows all alike. Exposed time is time the
-host is blocked: meaningful with gloo on CPU (on CUDA, wait() only orders streams).
+host is blocked: meaningful with gloo on CPU (on CUDA, wait() only orders streams, so it prints '–'; use the
+profiler there). On GPUs, one per rank, NCCL, bf16 compute:
+
+    torchrun --standalone --nproc_per_node=8 bench.py zero --set device=cuda --set dtype=bfloat16
 """
 import argparse
 import dataclasses
@@ -94,11 +97,14 @@ def build(kind, cfg, device):
         module = DDP(model, gradient_as_bucket_view=True)  # as zero.DataParallel: one copy of the grads
         optimizer = ZeroRedundancyOptimizer(model.param_groups(zcfg.weight_decay), torch.optim.AdamW, **adamw)
     else:  # fsdp2: each block, then the root (embeddings, tied lm_head, ln_f), as fsdp_lite does
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        # the mesh names the run's device: left out, FSDP2 picks the machine's accelerator (a GPU) even on gloo
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=zcfg.param_dtype, reduce_dtype=torch.float32)
         for block in model.transformer.h:
-            fully_shard(block, mp_policy=policy)
-        module = fully_shard(model, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        module = fully_shard(model, mesh=mesh, mp_policy=policy)
         optimizer = torch.optim.AdamW(model.param_groups(zcfg.weight_decay), **adamw)  # of the DTensor params
     return TorchEngine(module, model, optimizer, zcfg.grad_clip)
 
@@ -241,25 +247,30 @@ def bench_zero(args):
                 times[k, r * args.steps + s], exposed[k, r * args.steps + s] = time.perf_counter() - t0, clock.exposed
             dist.barrier()
             if traces[kinds[k]]:  # the same collectives alone: each issued and waited for in turn, no compute
+                sync()
                 t0 = time.perf_counter()
                 for real, tensors in traces[kinds[k]]:
                     real(engine.comm, *tensors)
+                sync()  # NCCL returns once the collective is queued
                 alone[k, r] = time.perf_counter() - t0
                 dist.barrier()
 
     # a step lasts as long as its slowest rank. Blocked time also counts waiting for a rank still computing:
     # the rank blocked least waited least for the other, its blocked time is closest to the comm's own
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    dist.all_reduce(exposed, op=dist.ReduceOp.MIN)
-    dist.all_reduce(alone, op=dist.ReduceOp.MIN)
+    def all_reduce(t, op):  # timings are kept on the host; NCCL reduces only CUDA tensors
+        on_device = t.to(device)
+        dist.all_reduce(on_device, op=op)
+        return on_device.cpu()
+    times, exposed, alone = all_reduce(times, dist.ReduceOp.MAX), all_reduce(exposed, dist.ReduceOp.MIN), \
+        all_reduce(alone, dist.ReduceOp.MIN)
     pops = {kind: model_state_bytes(engines[kind]) for kind in kinds}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     mine = torch.tensor([[sum(pops[kind].values()), peaks[kind], transient_bound(engines[kind])] for kind in kinds]
-                        + [[rss, 0, 0]], dtype=torch.float64)  # (kinds + 1, 3) bytes
-    every = torch.empty(world_size * mine.shape[0], 3, dtype=torch.float64)
+                        + [[rss, 0, 0]], dtype=torch.float64, device=device)  # (kinds + 1, 3) bytes
+    every = torch.empty(world_size * mine.shape[0], 3, dtype=torch.float64, device=device)
     dist.all_gather_into_tensor(every, mine)
     if rank == 0:
-        report(args, cfg, engines, first, sent, times, exposed, alone, pops, every.view(world_size, -1, 3))
+        report(args, cfg, engines, first, sent, times, exposed, alone, pops, every.cpu().view(world_size, -1, 3))
     dist.barrier()  # every rank done, no async work left, before the process group goes
     dist.destroy_process_group()
 
@@ -302,8 +313,11 @@ def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):
                  f"{state.max():.1f}" + (f" (min {state.min():.1f})" if state.max() > 1.01 * state.min() else '')]
         if ours(engines[kind]):
             e, a = exposed[k].quantile(0.5).item(), alone[k].quantile(0.5).item()
-            cells += [f"{every[:, k, 1].max() / MB:.1f} ({every[:, k, 2].max() / MB:.1f})",
-                      f"{e * 1e3:.1f} ({e / step:.0%})", f"{a * 1e3:.1f}", f"{1 - e / a:.0%}"]
+            cells += [f"{every[:, k, 1].max() / MB:.1f} ({every[:, k, 2].max() / MB:.1f})"]
+            if torch.device(cfg['device']).type == 'cpu':
+                cells += [f"{e * 1e3:.1f} ({e / step:.0%})", f"{a * 1e3:.1f}", f"{1 - e / a:.0%}"]
+            else:  # wait() on a CUDA work handle only orders streams: the host is not blocked, nothing to time
+                cells += ['–', f"{a * 1e3:.1f}", '–']
         else:
             cells += ['–'] * 4
         print('| ' + ' | '.join(cells) + ' |')

@@ -40,8 +40,9 @@ class Comm:
     Convention of the ZeRO paper: reduce-scattering an n-element buffer, or all-gathering into one,
     moves n elements per rank; an all-reduce is both, 2n. Divided by Ψ these are the table's figures."""
 
-    def __init__(self, process_group=None):
+    def __init__(self, process_group=None, device=torch.device('cpu')):
         self.process_group = process_group
+        self.device = device  # where its own tensors go: NCCL takes only CUDA tensors
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.numel = Counter()  # collective kind -> elements moved since the caller last cleared it
@@ -71,8 +72,8 @@ class Comm:
 
     def check_same(self, what, values):
         """Fail fast, instead of hanging or training on garbage, if the ranks built different layouts."""
-        mine = torch.tensor(values, dtype=torch.int64)
-        every = torch.empty(self.world_size * len(values), dtype=torch.int64)
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        every = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
         dist.all_gather_into_tensor(every, mine, group=self.process_group)  # not counted: start-up only
         for r, theirs in enumerate(every.view(self.world_size, -1).tolist()):
             if theirs != values:
@@ -185,8 +186,8 @@ class DataParallel:
 
     def __init__(self, model, cfg, process_group=None):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        self.cfg, self.comm = cfg, Comm(process_group)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.cfg, self.comm = cfg, Comm(process_group, self.params[0].device)
         self.psi = sum(p.numel() for p in self.params)
         # gradient_as_bucket_view: grads live in DDP's all-reduce buckets, not in a second copy (4Ψ, not 8Ψ)
         self.module = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group,
@@ -227,7 +228,7 @@ class DataParallel:
         return {k: (dt, n * dt.itemsize) for k, (dt, n) in sizes.items()}
 
     def full_state_dict(self):
-        return {k: v.float() for k, v in self.module.module.state_dict().items()}
+        return {k: v.to('cpu', torch.float32, copy=True) for k, v in self.module.module.state_dict().items()}
 
     def state_dict(self):
         return {'optimizer': self.optimizer.state_dict()}
@@ -246,8 +247,8 @@ class Zero1:
     stage = 1
 
     def __init__(self, model, cfg, units=(), process_group=None):
-        self.cfg, self.comm, self.model, self.module = cfg, Comm(process_group), model, model
         params = [p for p in model.parameters() if p.requires_grad]  # tied params appear once
+        self.cfg, self.comm, self.model, self.module = cfg, Comm(process_group, params[0].device), model, model
         self.psi = sum(p.numel() for p in params)
         # 1) the layout: buckets in the order backward fills them, checked equal on every rank
         self.buckets = self.plan_buckets(model, params, units)
@@ -422,13 +423,14 @@ class Zero1:
 
     def full_state_dict(self):
         """The model's state_dict in fp32, trainable params gathered from the master shards (exact,
-        unlike the bf16 compute params). Every rank must call it; every rank gets the whole dict."""
+        unlike the bf16 compute params). Every rank must call it; every rank gets the whole dict, in host
+        memory: on a GPU only one bucket is gathered at a time (stage 3 never holds the full model there)."""
         full = {}
         for b in self.buckets:
             flat = torch.empty(b.padded_numel, dtype=torch.float32, device=self.master_shard.device)
             dist.all_gather_into_tensor(flat, self.master_shard[b.shard_slice], group=self.comm.process_group)
-            full.update({id(p): view.clone() for p, view in b.views(flat)})
-        return {name: full[id(t)] if id(t) in full else t.detach().float()
+            full.update({id(p): view.to('cpu', copy=True) for p, view in b.views(flat)})
+        return {name: full[id(t)] if id(t) in full else t.detach().to('cpu', torch.float32, copy=True)
                 for name, t in self.model.state_dict(keep_vars=True).items()}
 
     def state_dict(self):
