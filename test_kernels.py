@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import warnings
 
 import pytest
@@ -318,3 +319,12 @@ def test_kernel_rejects_bad_shapes_and_decay_numel():
         kernels.adamw_step(master, torch.ones(9), exp_avg, exp_avg_sq, param, torch.zeros(1), decay_numel=5, **kw)
     with pytest.raises(RuntimeError, match="contiguous"):
         kernels.adamw_step(master, torch.ones(20)[::2], exp_avg, exp_avg_sq, param, torch.zeros(1), decay_numel=5, **kw)
+
+
+def test_bench_kernels_prints_a_row_per_size():
+    out = subprocess.run([sys.executable, "bench.py", "kernels", "--device", "cpu", "--sizes", "1000,4K"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [row[0] for row in rows] == ["1,000", "4,096"] and all(len(row) == 9 for row in rows)
+
