@@ -2,7 +2,7 @@
 Benchmarks, one mode per idea:
 
     python bench.py kernels                                # on the GPU if there is one: sizes 1M..256M
-    python bench.py kernels --device cpu                   # CPU sizes 1M..64M (256M would need ~8 GB)
+    python bench.py kernels --device cpu                   # CPU sizes 1M..64M (256M needs ~9 GB of RAM)
     python bench.py kernels --sizes 1M,16M --device cpu
     python bench.py kernels --grad_dtype bfloat16          # grads reduced in bf16 (reduce_dtype='bfloat16')
     OMP_NUM_THREADS=1 python bench.py kernels --device cpu # steadier numbers on a shared machine

@@ -12,9 +12,9 @@ buffers; for our stages, the communication time the step is blocked on ("exposed
 issued alone without compute, hence the fraction of communication hidden behind compute. Kinds take turns,
 rotating each round, so a shared machine that slows down for a while slows all alike. Exposed time is time the
 host is blocked: meaningful with gloo on CPU (on CUDA, wait() only orders streams, so it prints '–'; use the
-profiler there). On GPUs, one per rank, NCCL, bf16 compute:
+profiler there). On GPUs, one per rank, NCCL, bf16 compute, GPT-2 124M (its config's defaults: cuda, bfloat16):
 
-    torchrun --standalone --nproc_per_node=8 bench.py zero --set device=cuda --set dtype=bfloat16
+    torchrun --standalone --nproc_per_node=8 bench.py zero --config=config/gpt2_124m.py --rounds=5
 """
 import argparse
 import dataclasses
@@ -247,8 +247,7 @@ def bench_zero(args):
                 times[k, r * args.steps + s], exposed[k, r * args.steps + s] = time.perf_counter() - t0, clock.exposed
             dist.barrier()
             if traces[kinds[k]]:  # the same collectives alone: each issued and waited for in turn, no compute
-                sync()
-                t0 = time.perf_counter()
+                t0 = time.perf_counter()  # the timed steps ended with sync() and a barrier: nothing in flight
                 for real, tensors in traces[kinds[k]]:
                     real(engine.comm, *tensors)
                 sync()  # NCCL returns once the collective is queued
@@ -257,12 +256,10 @@ def bench_zero(args):
 
     # a step lasts as long as its slowest rank. Blocked time also counts waiting for a rank still computing:
     # the rank blocked least waited least for the other, its blocked time is closest to the comm's own
-    def all_reduce(t, op):  # timings are kept on the host; NCCL reduces only CUDA tensors
-        on_device = t.to(device)
+    for t, op in ((times, dist.ReduceOp.MAX), (exposed, dist.ReduceOp.MIN), (alone, dist.ReduceOp.MIN)):
+        on_device = t.to(device)  # the timings live on the host; NCCL reduces only CUDA tensors
         dist.all_reduce(on_device, op=op)
-        return on_device.cpu()
-    times, exposed, alone = all_reduce(times, dist.ReduceOp.MAX), all_reduce(exposed, dist.ReduceOp.MIN), \
-        all_reduce(alone, dist.ReduceOp.MIN)
+        t.copy_(on_device)
     pops = {kind: model_state_bytes(engines[kind]) for kind in kinds}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     mine = torch.tensor([[sum(pops[kind].values()), peaks[kind], transient_bound(engines[kind])] for kind in kinds]
@@ -282,7 +279,8 @@ NOTES = """\
 - peak transient: our stage 2/3 bucket grad buffers + stage 3 unsharded units, sampled at every allocation;
   (bound): peak count x largest + root unit. Not counted: autograd's .grad before it is copied, FSDP2's buffers.
 - exposed: time blocked in zero.Comm collectives (the rank blocked least); alone: the same collectives replayed
-  without compute; hidden = 1 - exposed / alone. '–': not measured (torch's collectives run inside DDP/FSDP2)."""
+  without compute; hidden = 1 - exposed / alone. '–': not measured (torch's collectives run inside DDP/FSDP2;
+  on CUDA, exposed time is not the host's: wait() only orders streams)."""
 
 
 def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 import train
 import zero
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, peak_flops
 
 TINY = dict(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=97, bias=True, dropout=0.0)  # odd sizes
 LR, STEPS, B, T = 3e-3, 5, 2, 16
@@ -219,6 +219,15 @@ def test_mfu_is_none_without_a_known_peak():
     model = GPT(GPTConfig(**TINY))
     assert model.estimate_mfu(1e5, None) is None
     assert 0 < model.estimate_mfu(1e5, 1e12) < 1
+
+
+@pytest.mark.parametrize('name, flops', [('NVIDIA H100 80GB HBM3', 989e12), ('NVIDIA H100 PCIe', 756e12),
+                                         ('NVIDIA H100 NVL', 835e12), ('NVIDIA H200', 989e12),
+                                         ('NVIDIA A100-SXM4-80GB', 312e12), ('NVIDIA H800', 989e12), ('Tesla T4', None)])
+def test_peak_flops_by_gpu_name(monkeypatch, name, flops):
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: name)
+    assert peak_flops(torch.device('cuda', 0)) == flops
+    assert peak_flops(torch.device('cpu')) is None
 
 # -----------------------------------------------------------------------------
 # the config
@@ -467,4 +476,3 @@ def test_bench_zero_runs_every_kind_from_the_same_first_step():
     # the norms differ by ~1e-5 relative because torch's clip_grad_norm_ does: on this model (vocab 50304) it is
     # ~6e-6 off the float64 norm, where one fp32 sum over the flat shards (ours) is ~1e-7 off
     assert loss_spread <= 1e-6 * loss and norm_spread < 1e-4 * norm, out.stdout[:600]
-
