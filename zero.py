@@ -424,7 +424,7 @@ class Zero1:
     def full_state_dict(self):
         """The model's state_dict in fp32, trainable params gathered from the master shards (exact,
         unlike the bf16 compute params). Every rank must call it; every rank gets the whole dict, in host
-        memory: on a GPU only one bucket is gathered at a time (stage 3 never holds the full model there)."""
+        memory: a GPU holds one gathered bucket at a time, so saving adds no full-model copy there."""
         full = {}
         for b in self.buckets:
             flat = torch.empty(b.padded_numel, dtype=torch.float32, device=self.master_shard.device)
