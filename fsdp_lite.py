@@ -3,11 +3,13 @@ fsdp_lite: the parameter half of ZeRO-3, in FSDP2's vocabulary.
 
 Each wrapped module (a transformer block; the root, the model itself, takes the params no block holds:
 embeddings, tied lm_head, final norm) becomes a Unit that owns one flat, padded buffer laid out by a
-zero.Bucket. Between uses a rank stores only its shard of it, the *sharded param* (shard_numel,). Around
-each use the unit is *unsharded*: all-gathered into the *unsharded param* (padded_numel,), of which
-every module parameter is a view. Grads and the optimizer are zero.py's business, exactly as in stage 2.
+zero.Bucket. Between uses a rank stores only its shard of it, the *sharded param* (shard_numel,), which
+zero.py owns and the optimizer writes. Around each use the unit is *unsharded*: all-gathered into the
+*unsharded param* (padded_numel,), of which every module parameter is a view. The all-gather input is the
+sharded param itself, or, when that is an fp32 master under bf16 compute, its rounding to bf16 (FSDP2 casts
+the same way). Grads and the optimizer are zero.py's business, exactly as in stage 2.
 
-    forward:   pre-hook: unshard (wait for the prefetched all-gather), prefetch the next unit(s)
+    forward:   pre-hook: launch this unit's all-gather (if no prefetch did), prefetch the next unit(s), wait
                post-hook: reshard if reshard_after_forward; hook the outputs to catch the pre-backward
     backward:  pre-backward: unshard again if resharded, prefetch the previous unit(s)
                post-backward (zero.py, once the unit's grads are all in its bucket): reduce-scatter, reshard
@@ -20,6 +22,19 @@ from enum import Enum
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
+from torch.profiler import record_function
+
+import kernels
+
+
+def point_param_at(p, view):
+    """Make param p a view of `view` (a piece of a flat buffer), keeping the Parameter object: optimizers,
+    hooks and tied modules hold it. A param on the meta device cannot take a real tensor through .data, so
+    its contents are swapped instead (torch.utils.swap_tensors)."""
+    if p.is_meta:
+        torch.utils.swap_tensors(p, torch.nn.Parameter(view, requires_grad=p.requires_grad))
+    else:
+        p.data = view
 
 
 class State(Enum):
@@ -54,25 +69,17 @@ class Schedule:
 
 class Unit:
 
-    def __init__(self, module, bucket, comm, cfg, schedule, is_root):
+    def __init__(self, module, bucket, sharded_param, comm, cfg, schedule, is_root):
         self.module, self.bucket, self.comm, self.schedule = module, bucket, comm, schedule
-        self.is_root = is_root
+        self.sharded_param, self.is_root = sharded_param, is_root  # (shard_numel,), zero.py's
         # the root is needed at both ends of forward and at both ends of backward: never reshard it early
         self.reshard_after_forward = cfg.reshard_after_forward and not is_root
-        flat32 = bucket.pack(torch.float32)
-        comm.broadcast(flat32)  # every rank starts from rank 0's values, like DDP
-        # copy=True: with fp32 compute, .to() would return flat32 itself, and freeing the unsharded
-        # storage would free the shard with it
-        self.sharded_param = bucket.shard(flat32).to(cfg.param_dtype, copy=True)  # (shard_numel,)
-        self.master_init = bucket.shard(flat32).clone()  # exact fp32: zero.py's master shard starts here
-        self.unsharded_param = flat32.to(cfg.param_dtype, copy=True)  # (padded_numel,)
+        self.unsharded_param = torch.empty(bucket.padded_numel, dtype=cfg.param_dtype, device=sharded_param.device)
         self.nbytes = self.unsharded_param.untyped_storage().nbytes()
         for p, view in bucket.views(self.unsharded_param):
-            p.data = view  # the module's params are views into the unsharded buffer from now on
-        self.state, self.work = State.UNSHARDED, None
-        schedule.live += not is_root
-        self.reshard()
-        bucket.unit = self
+            point_param_at(p, view)  # the module's params are views into the unsharded buffer from now on
+        self.unsharded_param.untyped_storage().resize_(0)  # nothing held until the first forward gathers it
+        self.state, self.work = State.SHARDED, None
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
 
@@ -84,7 +91,8 @@ class Unit:
             # for backward; shrinking and regrowing the storage keeps every view valid, and they all see
             # the re-gathered values. Writing through .data keeps the views' version counters unchanged.
             self.unsharded_param.untyped_storage().resize_(self.nbytes)
-            self.work = self.comm.all_gather(self.unsharded_param.data, self.sharded_param, async_op=True)
+            self.work = self.comm.all_gather(self.unsharded_param.data, self.all_gather_input(), async_op=True,
+                                             name=f'all_gather unit {self.bucket.index}')
             self.state = State.IN_FLIGHT
             if not self.is_root:
                 self.schedule.live += 1
@@ -92,9 +100,15 @@ class Unit:
         if not async_op:
             self.wait_for_unshard()
 
+    def all_gather_input(self):
+        if self.sharded_param.dtype == self.unsharded_param.dtype:
+            return self.sharded_param
+        return kernels.cast_param(self.sharded_param, self.unsharded_param.dtype)  # (shard_numel,), for this gather
+
     def wait_for_unshard(self):
         if self.state is State.IN_FLIGHT:
-            self.work.wait()
+            with record_function(f'wait all_gather unit {self.bucket.index}'):
+                self.work.wait()
             self.work, self.state = None, State.UNSHARDED
 
     def reshard(self):
@@ -109,9 +123,10 @@ class Unit:
     def _pre_forward(self, module, args):
         if not self.is_root and not self.schedule.recorded and self not in self.schedule.order:
             self.schedule.order.append(self)
-        self.unshard()
+        self.unshard(async_op=True)  # in flight already if the previous unit prefetched it
         for unit in self.schedule.next_in_forward(self):
-            unit.unshard(async_op=True)  # its all-gather runs while this unit computes
+            unit.unshard(async_op=True)  # issued before we wait: its all-gather runs while this unit computes
+        self.wait_for_unshard()
 
     def _post_forward(self, module, args, output):
         if self.is_root:
@@ -127,19 +142,20 @@ class Unit:
         return output
 
     def _pre_backward(self, grad):
-        self.unshard()
+        self.unshard(async_op=True)
         for unit in self.schedule.next_in_backward(self):
             unit.unshard(async_op=True)
+        self.wait_for_unshard()
 
     def post_backward(self):
         """Called by zero.py once this unit's grads are all in its bucket and reduce-scatter is launched."""
         self.reshard()
 
 
-def fully_shard(pairs, root, comm, cfg):
-    """pairs: (module, zero.Bucket) per unit; root: the model, whose unit holds the leftover params."""
+def fully_shard(triples, root, comm, cfg):
+    """triples: (module, zero.Bucket, sharded param) per unit; root: the model, whose unit holds the leftover params."""
     schedule = Schedule(cfg.prefetch)
-    return [Unit(m, b, comm, cfg, schedule, is_root=m is root) for m, b in pairs]
+    return [Unit(m, b, s, comm, cfg, schedule, is_root=m is root) for m, b, s in triples]
 
 
 def finish_backward(units):

@@ -355,3 +355,47 @@ def adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, *,
         raise ValueError(f"impl={impl!r} cannot run on {master.device} tensors")
     _EXTENSIONS[impl].adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, decay_numel, step,
                                  lr, beta1, beta2, eps, weight_decay, grad_scale)
+
+# ----------------------------------------------------------------------------
+# TEMPORARY stand-ins for the precision API being built on branch kernels-modes (replaced wholesale on merge)
+from dataclasses import dataclass as _dataclass
+
+_old_adamw_step = adamw_step
+
+
+def adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, *, absmax=None, rounding_seed=None,
+               index_offset=0, **kw):
+    assert absmax is None and rounding_seed is None and master is not None
+    if param is None:
+        param = master
+    _old_adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, **kw)
+
+
+def cast_param(master, dtype):
+    return master.to(dtype, copy=True)
+
+
+@_dataclass(frozen=True)
+class Precision:
+    master_weights: str = 'fp32'
+    state_dtype: str = 'float32'
+    stochastic_rounding: bool = False
+
+    def check(self, param_dtype):
+        if (self.master_weights, self.state_dtype, self.stochastic_rounding) != ('fp32', 'float32', False):
+            raise ValueError("precision modes are not merged yet")
+
+    def master_dtype(self, param_dtype):
+        return None if param_dtype == torch.float32 else torch.float32
+
+    state_torch_dtype = torch.float32
+    align = 1
+
+    def bytes_per_element(self, param_dtype):
+        return {'master': 0 if param_dtype == torch.float32 else 4, 'exp_avg': 4, 'exp_avg_sq': 4}
+
+    def label(self, population, param_dtype):
+        return '(the params)' if population == 'master' and param_dtype == torch.float32 else 'float32'
+
+    def warning(self, param_dtype):
+        return None

@@ -1,10 +1,13 @@
 """
 A GPT-2 language model, nanoGPT-compatible (same config names, same parameter names, tied embeddings).
 
-nanozero's ZeRO code never looks inside this file: it sees a list of parameters and, for stage 3,
-the list of transformer blocks. Anything a user swaps in for this model must only keep that contract.
+nanozero's ZeRO code never looks inside this file: it sees a list of named parameters, the list of
+transformer blocks (stage 3's units) and `init_param(name, tensor)`, which fills any tensor with a param's
+initial value (stage 3 builds the model on the meta device and initializes it one unit at a time). Anything
+a user swaps in for this model must only keep that contract.
 """
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +92,7 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, seed=0):
         super().__init__()
         assert config.vocab_size is not None and config.block_size is not None
         self.config = config
@@ -105,19 +108,24 @@ class GPT(nn.Module):
         # named_parameters() lists it once (as transformer.wte.weight); autograd sums both uses into
         # one .grad, and the ZeRO layout must therefore hold it exactly once.
         self.transformer.wte.weight = self.lm_head.weight
-        self.apply(self._init_weights)
-        # GPT-2 init: residual projections scaled by 1/sqrt(2 * n_layer), one per residual branch
-        for pn, p in self.named_parameters():
-            if pn.endswith('c_proj.weight'):
-                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        self.seed = seed
+        for name, p in self.named_parameters():
+            if not p.is_meta:  # on the meta device there is nothing to fill: ZeRO-3 calls init_param per unit
+                self.init_param(name, p.data)
 
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def init_param(self, name, tensor):
+        """Fill `tensor` with parameter `name`'s initial value. [Note: one generator per param] Each param
+        draws from its own CPU generator, seeded by (seed, name), so its value does not depend on which other
+        params were initialized before it, on which rank, or on which device: ZeRO-3 materializes one unit at
+        a time, straight into its shard, and still starts from exactly the values of a plain GPT(config)."""
+        generator = torch.Generator().manual_seed(zlib.crc32(f'{self.seed}/{name}'.encode()))
+        value = torch.zeros(tensor.shape)  # biases
+        if tensor.dim() == 1 and not name.endswith('bias'):
+            value.fill_(1.0)  # LayerNorm gains
+        elif tensor.dim() >= 2:  # GPT-2: N(0, 0.02); residual projections scaled by 1/sqrt(2 * n_layer)
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith('c_proj.weight') else 0.02
+            value.normal_(0.0, std, generator=generator)
+        tensor.copy_(value)
 
     def get_num_params(self, non_embedding=True):
         """Parameter count. The position embedding is subtracted by default (as in nanoGPT); the token

@@ -1,19 +1,21 @@
 """
 Train a GPT with data parallelism: torch DDP (zero_stage=0) or nanozero's ZeRO-1/2/3 (zero.py).
 
-On a laptop CPU, 2 gloo ranks, the embedded Shakespeare default (data is prepared on first use):
-$ torchrun --standalone --nproc_per_node=2 train.py config/shakespeare_cpu.py
+On a laptop CPU, 2 gloo ranks, character-level Shakespeare (data is prepared on first use):
+$ torchrun --standalone --nproc_per_node=2 train.py config/shakespeare_char.py
 
 On one node of 8 GPUs (NCCL):
 $ torchrun --standalone --nproc_per_node=8 train.py config/zero3.py
 
-Across 2 nodes, run on each (node_rank 0 and 1; MASTER_ADDR = node 0's address):
+Across 2 nodes, run on each (node_rank 0 and 1; MASTER_ADDR = node 0's address; out_dir on a shared filesystem):
 $ torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=$MASTER_ADDR --master_port=29500 train.py config/zero3.py
 
 Any key below can be set in a config file (plain Python assignments) or as --key=value after it.
 """
 import ast
 import difflib
+import glob
+import json
 import math
 import os
 import sys
@@ -24,8 +26,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import checkpoint
+import kernels
+import memory
 from model import GPT, GPTConfig, peak_flops
-from zero import ZeroConfig, build_engine, memory_report
+from zero import ZeroConfig, build_engine
 
 # -----------------------------------------------------------------------------
 # default config values: a GPT-2 (124M) on Shakespeare with ZeRO off (torch DDP)
@@ -33,10 +38,11 @@ from zero import ZeroConfig, build_engine, memory_report
 out_dir = 'out'
 eval_interval = 250
 log_interval = 10
-eval_iters = 50
+eval_iters = 50  # batches per split, shared among the ranks
 eval_only = False  # if True, evaluate once and exit
 always_save_checkpoint = False  # if False, save only when the val loss improves
-init_from = 'scratch'  # 'scratch' or 'resume' (from out_dir)
+keep_last = 2  # checkpoints kept in out_dir (older ones are deleted once a newer one is complete)
+init_from = 'scratch'  # 'scratch' or 'resume' (the newest complete checkpoint in out_dir)
 # data
 dataset = 'shakespeare'  # data/{dataset}/train.bin and val.bin
 gradient_accumulation_steps = 8  # micro-steps per iteration, summed over all ranks
@@ -61,20 +67,29 @@ warmup_iters = 100
 lr_decay_iters = 2000
 min_lr = 6e-5
 # data parallelism
-zero_stage = 0  # 0 = torch DDP, 1 = shard optimizer state, 2 = + grads, 3 = + params
+zero_stage = 0  # 0 = torch DDP, 1 = shard optimizer state, 2 = + grads, 3 = + params; or 'auto': the lowest that fits
+memory_gb = 0.0  # zero_stage='auto' on a CPU: memory per rank (0 = the machine's RAM / local ranks)
 backend = ''  # '' = nccl on GPUs, gloo on CPU
 bucket_mb = 25.0  # stage 1/2 grad bucket size
 reduce_dtype = 'float32'  # grads are reduced in this dtype ('float32' or 'bfloat16')
 prefetch = 1  # stage 3: all-gathers in flight ahead of compute (0 = off)
 reshard_after_forward = True  # stage 3: free each block's params after its forward (False: 2Ψ traffic, more memory)
 optimizer_impl = 'auto'  # fused AdamW kernel: 'auto', 'reference', 'cpu', 'cuda'
+# what ZeRO's optimizer stores (kernels.Precision; stages 1-3)
+master_weights = 'fp32'  # 'fp32', 'remainder' (bf16 param + 16 bits: exact, 2 B/param), 'none' (bf16 params only)
+state_dtype = 'float32'  # exp_avg and exp_avg_sq: 'float32', 'bfloat16' or 'int8' (blockwise, dynamic map)
+stochastic_rounding = False  # with master_weights='none': round each update into the bf16 params stochastically
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
-compile = False  # torch.compile the model (stages 0-2)
+compile = False  # torch.compile the model (stage 3: each block, its gathering hooks left outside)
+profile = False  # write a torch.profiler trace of iterations 2-4 to out_dir/trace_rank{r}.json
 seed = 1337
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
+ALSO = {'zero_stage': ('auto',)}  # values allowed besides the default's type
+ROOT = os.path.dirname(os.path.abspath(__file__))
+PREPARED_ON_FIRST_USE = ('shakespeare', 'shakespeare_char')  # data/<name>/prepare.py, run by rank 0
 
 
 def parse_config(argv, defaults=DEFAULTS):
@@ -90,11 +105,14 @@ def parse_config(argv, defaults=DEFAULTS):
 
     for arg in argv:
         if not arg.startswith('--'):
+            if not os.path.isfile(arg):
+                configs = ' '.join(sorted(os.path.relpath(p) for p in glob.glob(os.path.join(ROOT, 'config', '*.py'))))
+                raise ValueError(f"config file {arg} not found; the configs are: {configs}")
             namespace = {}
             with open(arg) as f:
                 exec(f.read(), namespace)
             for key, value in namespace.items():
-                if not key.startswith('_') and not callable(value):
+                if not key.startswith('_') and not callable(value) and not isinstance(value, type(sys)):
                     check_key(key, arg)
                     config[key] = value
             continue
@@ -109,9 +127,9 @@ def parse_config(argv, defaults=DEFAULTS):
         expected = type(defaults[key])
         if expected is float and type(value) is int:
             value = float(value)
-        if type(value) is not expected:
-            raise TypeError(f"--{key}={value!r} is a {type(value).__name__}, but {key} takes a {expected.__name__} "
-                            f"(default {defaults[key]!r})")
+        if type(value) is not expected and value not in ALSO.get(key, ()):
+            name = {'int': 'an int', 'float': 'a float', 'bool': 'True or False', 'str': 'a string'}[expected.__name__]
+            raise ValueError(f"--{key}={value!r}: {key} takes {name} (default {defaults[key]!r})")
         config[key] = value
     return config
 
@@ -119,18 +137,49 @@ def parse_config(argv, defaults=DEFAULTS):
 # data, learning rate, one training step, evaluation
 
 
-def load_split(data_dir, split):
-    return np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
+def data_dir(cfg):
+    return os.path.join(ROOT, 'data', cfg['dataset'])
 
 
-def get_batch(data, batch_size, block_size, generator, device):
-    """batch_size random windows of block_size + 1 tokens: inputs x and next-token targets y, (B, T)."""
-    ix = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
-    x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
-    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
+def vocab_size(cfg):
+    """The dataset's vocabulary (meta.json) rounded up to a multiple of 64 for faster matmuls: GPT-2's
+    50257 -> 50304, Shakespeare's 84 characters -> 128. Without a meta.json: GPT-2's."""
+    meta = os.path.join(data_dir(cfg), 'meta.json')
+    n = json.load(open(meta)).get('vocab_size', 50257) if os.path.exists(meta) else 50257
+    return math.ceil(n / 64) * 64
+
+
+def model_args(cfg, vocab):
+    return dict(n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_embd=cfg['n_embd'], block_size=cfg['block_size'],
+                bias=cfg['bias'], vocab_size=vocab, dropout=cfg['dropout'])
+
+
+def load_split(path, split):
+    return np.memmap(os.path.join(path, f'{split}.bin'), dtype=np.uint16, mode='r')
+
+
+def windows(data, rows, block_size, device):
+    """Inputs x and next-token targets y, (B, T), for the windows starting at `rows`."""
+    x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in rows])
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in rows])
     if device.type == 'cuda':
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
+
+
+def draw(data, key, count, cfg):
+    """`count` micro-batches of batch_size window starts, a function of `key` alone (numpy's seed sequence)."""
+    rng = np.random.default_rng(key)
+    return rng.integers(len(data) - cfg['block_size'], size=(count, cfg['batch_size']))
+
+
+def train_batches(data, iteration, cfg, rank, world_size, device):
+    """This rank's micro-batches of `iteration`. The global batch (gradient_accumulation_steps micro-batches)
+    depends on (seed, iteration) alone; rank r takes its contiguous share. So 1, 2 or 4 ranks train on the
+    same global batches, and a resumed run sees exactly those the uninterrupted run would have seen."""
+    every = draw(data, [cfg['seed'], 0, iteration], cfg['gradient_accumulation_steps'], cfg)
+    local = len(every) // world_size
+    return [windows(data, rows, cfg['block_size'], device) for rows in every[rank * local:(rank + 1) * local]]
 
 
 def get_lr(it, cfg):
@@ -160,24 +209,24 @@ def train_step(engine, batches, lr, autocast):
 
 
 @torch.no_grad()
-def evaluate(engine, splits, eval_iters, batch_fn, autocast):
-    """Mean loss over eval_iters batches per split, averaged over ranks. Every rank runs the forward
-    (stage 3 needs all of them for its all-gathers)."""
+def evaluate(engine, eval_sets, autocast, rank, world_size):
+    """Mean loss over each split's fixed eval set (the same batches at every eval, whatever the world size),
+    shared among the ranks. Every rank runs as many forwards (stage 3 all-gathers in them): a rank with one
+    batch fewer repeats its last one with weight 0."""
     model = engine.module
     model.eval()
     out = {}
-    for split in splits:
-        losses = []
-        for k in range(eval_iters):
-            x, y = batch_fn(split)
+    for split, batches in eval_sets.items():
+        per_rank = math.ceil(len(batches) / world_size)
+        total = torch.zeros(2, device=batches[0][0].device)  # (sum of losses, count), on the model's device
+        for k in range(rank * per_rank, (rank + 1) * per_rank):
+            x, y = batches[min(k, len(batches) - 1)]
             with autocast:
                 _, loss = model(x, y)
-            losses.append(loss.float())  # on the model's device: no host sync per batch, and NCCL can reduce it
-        mean = torch.stack(losses).mean().reshape(1)
+            total += torch.stack([loss.float(), torch.ones_like(loss.float())]) * (k < len(batches))
         if dist.is_initialized():
-            dist.all_reduce(mean)
-            mean /= dist.get_world_size()
-        out[split] = mean.item()
+            dist.all_reduce(total)
+        out[split] = (total[0] / total[1]).item()
     model.train()
     return out
 
@@ -202,111 +251,120 @@ def setup_distributed(cfg):
 
 
 def check_config(cfg, world_size):
+    """Every mistake that can be found before the process group starts, as one ValueError with the fix."""
     if cfg['gradient_accumulation_steps'] % world_size:
         raise ValueError(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} is the global count of "
                          f"micro-steps and must be divisible by the {world_size} ranks")
-    if cfg['dtype'] not in ('float32', 'bfloat16', 'float16'):
-        raise ValueError(f"dtype={cfg['dtype']!r}: use 'float32', 'bfloat16' or 'float16'")
-    if cfg['dtype'] == 'float16' and cfg['zero_stage'] > 0:
-        raise ValueError("dtype='float16' needs loss scaling, which nanozero implements for zero_stage=0 only "
-                         "(torch GradScaler); use dtype='bfloat16' with ZeRO")
-    if cfg['init_from'] not in ('scratch', 'resume'):
-        raise ValueError(f"init_from={cfg['init_from']!r}: use 'scratch' or 'resume'")
-    if cfg['compile'] and cfg['zero_stage'] == 3:
-        raise ValueError("compile=True with zero_stage=3 is not supported: fsdp_lite's per-block hooks "
-                         "unshard params around each block; use compile=False")
-    if cfg['reduce_dtype'] not in ('float32', 'bfloat16'):
-        raise ValueError(f"reduce_dtype={cfg['reduce_dtype']!r}: use 'float32' or 'bfloat16'")
-    return zero_config(cfg)
+    for key, allowed in (('dtype', ('float32', 'bfloat16', 'float16')), ('reduce_dtype', ('float32', 'bfloat16')),
+                         ('init_from', ('scratch', 'resume'))):
+        if cfg[key] not in allowed:
+            raise ValueError(f"{key}={cfg[key]!r}: use one of {', '.join(map(repr, allowed))}")
+    found = all(os.path.exists(os.path.join(data_dir(cfg), f'{s}.bin')) for s in ('train', 'val'))
+    if not found and cfg['dataset'] not in PREPARED_ON_FIRST_USE:
+        raise ValueError(f"dataset={cfg['dataset']!r}: {data_dir(cfg)}/train.bin and val.bin not found; prepare them "
+                         f"with python data/shakespeare/prepare.py --input=YOUR.txt --out_dir=data/{cfg['dataset']} "
+                         f"(GPT-2 tokens) or data/shakespeare_char/prepare.py (characters)")
+    return zero_config({**cfg, 'zero_stage': 1 if cfg['zero_stage'] == 'auto' else cfg['zero_stage']})
 
 
 def zero_config(cfg):
+    precision = kernels.Precision(cfg['master_weights'], cfg['state_dtype'], cfg['stochastic_rounding'])
     return ZeroConfig(stage=cfg['zero_stage'], param_dtype=getattr(torch, cfg['dtype']),
                       reduce_dtype=getattr(torch, cfg['reduce_dtype']), bucket_mb=cfg['bucket_mb'],
                       weight_decay=cfg['weight_decay'], beta1=cfg['beta1'], beta2=cfg['beta2'],
                       grad_clip=cfg['grad_clip'], optimizer_impl=cfg['optimizer_impl'], prefetch=cfg['prefetch'],
-                      reshard_after_forward=cfg['reshard_after_forward'])
+                      reshard_after_forward=cfg['reshard_after_forward'], precision=precision, seed=cfg['seed'])
 
 
-def build(cfg, device, vocab_size, state=None):
-    """Model + data-parallel engine, from scratch or from a checkpoint's model."""
-    args = dict(n_layer=cfg['n_layer'], n_head=cfg['n_head'], n_embd=cfg['n_embd'], block_size=cfg['block_size'],
-                bias=cfg['bias'], vocab_size=vocab_size, dropout=cfg['dropout'])
-    if state is not None:
-        args.update(state['model_args'])  # the architecture comes from the checkpoint
-    torch.manual_seed(cfg['seed'])  # the same init on every rank (rank 0's is broadcast anyway)
-    model = GPT(GPTConfig(**args))
-    if state is not None:
-        missing, unexpected = model.load_state_dict(state['model'], strict=False)
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not match the model: missing {missing[:4]}, unexpected {unexpected[:4]}")
-    model.to(device)
-    engine = build_engine(model, zero_config(cfg), units=list(model.transformer.h))
-    if cfg['compile']:
+def choose_stage(cfg, device, world_size, args):
+    """zero_stage='auto': the lowest stage whose model states + transients + activations fit (memory.py)."""
+    with torch.device('meta'):
+        model = GPT(GPTConfig(**args))
+    zcfg = zero_config({**cfg, 'zero_stage': 1})
+    psi = sum(p.numel() for p in model.parameters())
+    activations = memory.activation_bytes(args['n_layer'], args['n_embd'], args['vocab_size'],
+                                          cfg['batch_size'] * cfg['block_size'], zcfg.param_dtype.itemsize)
+    estimates = memory.stage_estimates(psi, world_size, zcfg, activations, *memory.unit_sizes(model, model.transformer.h))
+    if zcfg.precision != kernels.Precision():
+        del estimates[0]  # the precision modes are ZeRO's fused step: stage 0 (torch AdamW) cannot honour them
+    stage, line = memory.pick_stage(estimates, memory.device_memory_bytes(device, cfg['memory_gb']))
+    if stage is None:
+        raise ValueError(f"{line}: use more ranks, a smaller batch_size or block_size, or set memory_gb")
+    return stage, line
+
+
+def build(cfg, device, args):
+    """Model + data-parallel engine. Stages 1-3 build the model on the meta device and materialize it bucket
+    by bucket (stage 3: unit by unit, straight into this rank's shard): no rank holds the whole model in fp32."""
+    zcfg = zero_config(cfg)
+    with torch.device('meta' if zcfg.stage > 0 else device):
+        model = GPT(GPTConfig(**args), seed=cfg['seed'])
+    engine = build_engine(model, zcfg, units=list(model.transformer.h), device=device)
+    if cfg['compile'] and zcfg.stage == 3:  # compile each block's forward; fsdp_lite's hooks run around it, eager
+        for block in model.transformer.h:
+            block.forward = torch.compile(block.forward)
+    elif cfg['compile']:
         engine.module = torch.compile(engine.module)
-    return args, model, engine
+    return model, engine
 
 
 def main(cfg):
     device, rank, world_size = setup_distributed(cfg)
     master_process = rank == 0
-    check_config(cfg, world_size)
+    log = print if master_process else (lambda *a, **k: None)
+    if cfg['dataset'] in PREPARED_ON_FIRST_USE and not os.path.exists(os.path.join(data_dir(cfg), 'val.bin')):
+        if master_process:  # the others wait at the barrier below
+            __import__(f"data.{cfg['dataset']}.prepare", fromlist=['prepare']).prepare(data_dir(cfg))
+    dist.barrier()
+    args = model_args(cfg, vocab_size(cfg))
+    resume = checkpoint.find_resume(cfg, args)  # None, or (path, manifest): errors before any training step
+    if cfg['zero_stage'] == 'auto':
+        cfg['zero_stage'], line = choose_stage(cfg, device, world_size, args)
+        log(line)
     accum = cfg['gradient_accumulation_steps'] // world_size
     tokens_per_iter = accum * world_size * cfg['batch_size'] * cfg['block_size']
-    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', cfg['dataset'])
-    if not os.path.exists(os.path.join(data_dir, 'val.bin')):
-        if cfg['dataset'] != 'shakespeare':
-            raise FileNotFoundError(f"{data_dir}/train.bin missing: run python data/shakespeare/prepare.py "
-                                    f"--input=YOUR.txt --out_dir={data_dir}")
-        if master_process:  # the others wait at the barrier below
-            from data.shakespeare.prepare import prepare
-            prepare(data_dir)
-    dist.barrier()
-    data = {split: load_split(data_dir, split) for split in ('train', 'val')}
-    generator = torch.Generator().manual_seed(cfg['seed'] + rank)  # each rank draws its own batches
-
-    def batch_fn(split):
-        return get_batch(data[split], cfg['batch_size'], cfg['block_size'], generator, device)
-
-    state, iter_num, best_val_loss = None, 0, 1e9
-    if cfg['init_from'] == 'resume':
-        state = torch.load(os.path.join(cfg['out_dir'], 'ckpt.pt'), map_location=device, weights_only=False)
-        iter_num, best_val_loss = state['iter_num'], state['best_val_loss']
-        if (state['zero_stage'], state['world_size']) != (cfg['zero_stage'], world_size):
-            raise ValueError(f"{cfg['out_dir']}/ckpt.pt was saved with zero_stage={state['zero_stage']} on "
-                             f"{state['world_size']} ranks; resume with the same (its optimizer state is sharded that way)")
-    model_args, model, engine = build(cfg, device, vocab_size=50304, state=state)
-    if state is not None:
-        shard_file = os.path.join(cfg['out_dir'], f"optim_rank{rank if cfg['zero_stage'] > 0 else 0}.pt")
-        engine.load_state_dict(torch.load(shard_file, map_location=device, weights_only=False))
+    data = {split: load_split(data_dir(cfg), split) for split in ('train', 'val')}
+    eval_sets = {s: [windows(data[s], rows, cfg['block_size'], device) for rows in draw(data[s], [cfg['seed'], 1 + i], cfg['eval_iters'], cfg)]
+                 for i, s in enumerate(('train', 'val'))}
+    if cfg['zero_stage'] > 0:  # every rank builds (or loads) the AdamW kernel now, not while the others wait in a collective
+        impl = kernels.resolve_impl(cfg['optimizer_impl'], device)
+    model, engine = build(cfg, device, args)
+    iter_num, best_val_loss = 0, 1e9
+    if resume:
+        iter_num, best_val_loss = checkpoint.load(engine, *resume, log=log)
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
-    # every rank builds (or loads) the AdamW kernel now, not while the others wait for it in a collective
-    optimizer = 'torch AdamW' if cfg['zero_stage'] == 0 else 'kernels.adamw_step, impl=' + kernels_impl(cfg, device)
-    if master_process:
-        os.makedirs(cfg['out_dir'], exist_ok=True)
-        print(f"world size {world_size} ({dist.get_backend()}), device {device}, dtype {cfg['dtype']}, "
-              f"tokens per iteration {tokens_per_iter:,} = {accum} accum * {world_size} ranks * "
-              f"{cfg['batch_size']} batch * {cfg['block_size']} tokens")
-        print(f"params: {model.get_num_params() / 1e6:.2f}M, optimizer: {optimizer}")
-        print(memory_report(engine, world_size))
+    optimizer = 'torch AdamW' if cfg['zero_stage'] == 0 else f'kernels.adamw_step, impl={impl}, {engine.cfg.precision}'
+    log(f"world size {world_size} ({dist.get_backend()}), device {device}, dtype {cfg['dtype']}, "
+        f"tokens per iteration {tokens_per_iter:,} = {accum} accum * {world_size} ranks * "
+        f"{cfg['batch_size']} batch * {cfg['block_size']} tokens")
+    log(f"params: {model.get_num_params() / 1e6:.2f}M, optimizer: {optimizer}")
+    log(memory.startup_table(engine, world_size))
+    warning = engine.cfg.precision.warning(engine.cfg.param_dtype)
+    if warning:
+        log(f"warning: {warning}")
+    if cfg['compile']:
+        log("compiling with torch.compile: the first iterations include the compilation")
+    profiler = start_profiler(cfg, rank, device)
     peak = peak_flops(device)
     t0 = time.time()
     while True:
         if iter_num % cfg['eval_interval'] == 0 or iter_num >= cfg['max_iters']:
-            losses = evaluate(engine, ('train', 'val'), cfg['eval_iters'], batch_fn, autocast)
-            if master_process:
-                print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            losses = evaluate(engine, eval_sets, autocast, rank, world_size)
+            log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             if losses['val'] < best_val_loss or cfg['always_save_checkpoint']:
                 best_val_loss = min(best_val_loss, losses['val'])
                 if iter_num > 0:
-                    save_checkpoint(cfg, engine, model_args, iter_num, best_val_loss, rank)
+                    checkpoint.save(engine, cfg, args, iter_num, best_val_loss, log=log)
         if cfg['eval_only'] or iter_num >= cfg['max_iters']:
             break
         lr = get_lr(iter_num, cfg)
         engine.comm.numel.clear()
-        batches = [batch_fn('train') for _ in range(accum)]
+        batches = train_batches(data['train'], iter_num, cfg, rank, world_size, device)
         loss, grad_norm = train_step(engine, batches, lr, autocast)
         iter_num += 1
+        checkpoint.fault_point('step', iter_num)
+        if profiler:
+            profiler.step()
         if iter_num % cfg['log_interval'] == 0 and master_process:
             t1 = time.time()
             dt, t0 = (t1 - t0) / cfg['log_interval'], t1
@@ -315,33 +373,38 @@ def main(cfg):
             mfu = model.estimate_mfu(tokens_per_iter / dt / world_size, peak)
             print(f"iter {iter_num}: loss {loss.item():.4f}, time {dt * 1000:.2f}ms, tok/s {tokens_per_iter / dt:,.0f}, "
                   f"lr {lr:.2e}, norm {grad_norm:.3f}" + (f", mfu {mfu * 100:.2f}%" if mfu is not None else '')
+                  + (f", loss scale {engine.scaler.get_scale():g}" if cfg['dtype'] == 'float16' else '')
                   + f", sent {sent}")
+        if device.type == 'cuda' and iter_num in (1, cfg['max_iters']):
+            log(f"cuda max_memory_allocated after iteration {iter_num}: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
+    if profiler:
+        profiler.stop()
+        log(f"profiler trace: {cfg['out_dir']}/trace_rank{{r}}.json (open in https://ui.perfetto.dev or chrome://tracing)")
     dist.barrier()  # every rank done (and no async work left) before the process group goes
     dist.destroy_process_group()
 
 
-def kernels_impl(cfg, device):
-    import kernels
-    return kernels.resolve_impl(cfg['optimizer_impl'], device)
-
-
-def save_checkpoint(cfg, engine, model_args, iter_num, best_val_loss, rank):
-    """ckpt.pt: the full fp32 model (nanoGPT's layout, what sample.py reads) + where we are; ZeRO stages
-    add optim_rank{r}.pt per rank: that rank's master/exp_avg/exp_avg_sq shard."""
-    full = engine.full_state_dict()  # a collective in stages 1-3: every rank calls it
-    if rank == 0:
-        ckpt = {'model': full, 'model_args': model_args, 'iter_num': iter_num, 'best_val_loss': best_val_loss,
-                'config': cfg, 'zero_stage': cfg['zero_stage'], 'world_size': dist.get_world_size()}
-        print(f"saving checkpoint to {cfg['out_dir']}")
-        torch.save(ckpt, os.path.join(cfg['out_dir'], 'ckpt.pt'))
-    if cfg['zero_stage'] > 0 or rank == 0:
-        torch.save(engine.state_dict(), os.path.join(cfg['out_dir'], f'optim_rank{rank}.pt'))
+def start_profiler(cfg, rank, device):
+    """profile=True: a torch.profiler trace of iterations 2-4 (after 1 skipped and 1 warm-up), with zero.py's
+    named ranges (reduce_scatter bucket i, all_gather unit i, and the waits on them) to see the overlap."""
+    if not cfg['profile']:
+        return None
+    os.makedirs(cfg['out_dir'], exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == 'cuda' else [])
+    path = os.path.join(cfg['out_dir'], f'trace_rank{rank}.json')
+    profiler = torch.profiler.profile(activities=activities, schedule=torch.profiler.schedule(wait=1, warmup=1, active=3),
+                                      on_trace_ready=lambda p: p.export_chrome_trace(path))
+    profiler.start()
+    return profiler
 
 
 if __name__ == '__main__':
     try:
         config = parse_config(sys.argv[1:])
         check_config(config, int(os.environ.get('WORLD_SIZE', 1)))
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        sys.exit(f"config error: {e}")
+        checkpoint.find_resume(config, model_args(config, vocab_size(config)))  # a bad checkpoint: one line too
+    except ValueError as e:  # one line, once (torchrun starts every rank with the same mistake), exit code 1
+        if int(os.environ.get('RANK', 0)) == 0:
+            print(f"config error: {e}", file=sys.stderr)
+        sys.exit(1)
     main(config)

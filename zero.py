@@ -12,18 +12,22 @@ it on every one of N ranks. ZeRO keeps each number on exactly one rank:
 (communication in elements per rank per step; a DDP all-reduce = reduce-scatter + all-gather = 2Ψ.
 *3Ψ less the root unit, which stays gathered from its forward to the end of backward, as in FSDP2).
 The `Comm` object below counts what this code actually sends, so the training log shows those figures.
+What each rank holds, and what it would hold before you rent the GPUs: memory.py (`python zero.py estimate`).
 
 Reading order: Comm (the collectives), Bucket (the flat layout), DataParallel (stage 0, the baseline),
-Zero1, then what Zero2 and Zero3 add on top of it. Stage 3's parameter gathering is in fsdp_lite.py.
+Zero1, then what Zero2 and Zero3 add on top of it. Stage 3's parameter gathering is in fsdp_lite.py; how
+the optimizer stores each number (fp32, remainder, 8-bit, ...) is kernels.Precision.
 """
 import math
+import sys
 import warnings
 import zlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 import fsdp_lite
 import kernels
@@ -38,13 +42,19 @@ warnings.filterwarnings('ignore', message=r'`torch\.distributed\.(all_gather_int
 class Comm:
     """The three collectives ZeRO needs, on one process group, counting the elements each one moves.
     Convention of the ZeRO paper: reduce-scattering an n-element buffer, or all-gathering into one,
-    moves n elements per rank; an all-reduce is both, 2n. Divided by Ψ these are the table's figures."""
+    moves n elements per rank; an all-reduce is both, 2n. Divided by Ψ these are the table's figures.
+    Each launch is a named range in a torch.profiler trace (train.py's profile=True)."""
 
     def __init__(self, process_group=None, device=torch.device('cpu')):
         self.process_group = process_group
         self.device = device  # where its own tensors go: NCCL takes only CUDA tensors
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        # [Note: the fake process group] bench.py scale runs rank 0 of a 64-rank job alone, on torch's "fake"
+        # backend: every collective returns at once and writes nothing. We then write what the collective
+        # would have written if every rank held our data, so the numbers stay finite and every step is taken:
+        # memory and compute are real, the losses are not.
+        self.fake = dist.get_backend(process_group) == 'fake'
         self.numel = Counter()  # collective kind -> elements moved since the caller last cleared it
         self.bytes = Counter()
 
@@ -52,26 +62,36 @@ class Comm:
         self.numel[kind] += factor * tensor.numel()
         self.bytes[kind] += factor * tensor.numel() * tensor.element_size()
 
-    def all_gather(self, out, inp, async_op=False):
+    def all_gather(self, out, inp, async_op=False, name='all_gather'):
         self.count('all_gather', out)
-        return dist.all_gather_into_tensor(out, inp, group=self.process_group, async_op=async_op)
+        with record_function(name):
+            work = dist.all_gather_into_tensor(out, inp, group=self.process_group, async_op=async_op)
+        if self.fake:
+            out.view(self.world_size, -1).copy_(inp)
+        return work
 
-    def reduce_scatter(self, out, inp, async_op=False):
+    def reduce_scatter(self, out, inp, async_op=False, name='reduce_scatter'):
         self.count('reduce_scatter', inp)
-        return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG, group=self.process_group,
-                                          async_op=async_op)
+        with record_function(name):
+            work = dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG, group=self.process_group,
+                                              async_op=async_op)
+        if self.fake:
+            out.copy_(inp.view(self.world_size, -1)[self.rank])
+        return work
 
     def all_reduce_sum(self, tensor):
         self.count('all_reduce', tensor, factor=2)
         dist.all_reduce(tensor, group=self.process_group)
 
     def broadcast(self, tensor):
-        """Rank 0's values everywhere (start-up and checkpoints only, so not counted)."""
+        """Rank 0's values everywhere (start-up only, so not counted)."""
         src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
         dist.broadcast(tensor, src=src, group=self.process_group)
 
     def check_same(self, what, values):
         """Fail fast, instead of hanging or training on garbage, if the ranks built different layouts."""
+        if self.fake:
+            return  # nobody else to compare with: the all-gather would return our own values at best
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         every = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
         dist.all_gather_into_tensor(every, mine, group=self.process_group)  # not counted: start-up only
@@ -92,6 +112,7 @@ class Comm:
 #             rank 0        rank 1        rank 2
 # With ALIGN=8 every shard is a multiple of 8 elements (padded_numel 24 here, shard_numel 8), so every
 # shard and every slice of the optimizer state starts 16-byte aligned: the fused kernel's vector loads.
+# (8-bit optimizer state aligns shards to its 256-element blocks, so no block straddles two ranks.)
 # A param may straddle ranks (a, b): AdamW is elementwise, so nothing cares, except weight decay; hence
 # decayed params come first in a bucket and "decays" is one boundary, decay_numel = 5 + 6 here if both
 # decay. Pads get zero grads, so their master, exp_avg and exp_avg_sq stay 0 forever.
@@ -105,33 +126,28 @@ ALIGN = 8  # shard sizes are multiples of 8 elements: 16 bytes of bf16, 32 of fp
 
 class Bucket:
 
-    def __init__(self, params, world_size, rank, decays):
+    def __init__(self, params, world_size, rank, decays, align=ALIGN):
         self.params = sorted(params, key=lambda p: not decays(p))  # stable: decayed first, order kept
         sizes = [p.numel() for p in self.params]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.offset_of = {p: o for p, o in zip(self.params, self.offsets)}
         self.numel = sum(sizes)
         self.decay_numel = sum(n for p, n in zip(self.params, sizes) if decays(p))
-        self.padded_numel = math.ceil(self.numel / (world_size * ALIGN)) * world_size * ALIGN
+        self.padded_numel = math.ceil(self.numel / (world_size * align)) * world_size * align
         self.shard_numel = self.padded_numel // world_size
         self.world_size, self.rank = world_size, rank
-        self.shard_offset = None  # set by Zero: where this bucket's shard sits in the optimizer state
+        # set by Zero: position in the bucket order, this bucket's shard in the rank's optimizer state, and
+        # its flat buffer in the concatenation of all buckets (a global index for every element)
+        self.index = self.shard_offset = self.flat_offset = None
         self.flat_grad = None  # (padded_numel,) in reduce_dtype while grads are being collected
         self.ready = set()  # params whose grad is in flat_grad during this backward
-        self.unit = None  # stage 3: the fsdp_lite.Unit that owns the params
 
     def views(self, flat):
         """(param, the piece of flat that holds it, shaped like it) for every param of the bucket."""
-        return [(p, flat[o:o + p.numel()].view_as(p)) for p, o in zip(self.params, self.offsets)]
+        return [(p, flat[o:o + p.numel()].view(p.shape)) for p, o in zip(self.params, self.offsets)]
 
     def shard(self, flat):
         return flat.view(self.world_size, -1)[self.rank]  # (shard_numel,)
-
-    def pack(self, dtype):
-        flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.params[0].device)
-        for p, view in self.views(flat):
-            view.copy_(p.detach())
-        return flat
 
     @property
     def shard_decay_numel(self):
@@ -170,6 +186,8 @@ class ZeroConfig:
     optimizer_impl: str = 'auto'  # kernels.adamw_step: 'auto' | 'reference' | 'cpu' | 'cuda'
     prefetch: int = 1  # stage 3: all-gathers kept in flight ahead of compute; 0 = off
     reshard_after_forward: bool = True  # stage 3: free each block's params after its forward
+    precision: kernels.Precision = field(default_factory=kernels.Precision)  # what the optimizer stores
+    seed: int = 0  # stochastic rounding's counter-based hash starts from it
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -178,16 +196,21 @@ class ZeroConfig:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0 (a bucket holds at least one param)")
         if self.prefetch < 0:
             raise ValueError(f"prefetch={self.prefetch} must be >= 0 (0 turns prefetching off)")
+        if self.stage == 0 and self.precision != kernels.Precision():
+            raise ValueError("master_weights / state_dtype / stochastic_rounding choose what ZeRO's fused step "
+                             "stores: use zero_stage=1, 2 or 3 (stage 0 is torch's AdamW on fp32 params)")
+        self.precision.check(self.param_dtype)
 
 
 class DataParallel:
     """Stage 0: torch DDP all-reduces full grads (2Ψ sent), torch AdamW steps full fp32 params on every
     rank. Params, grads, exp_avg, exp_avg_sq: 4 + 4 + 4 + 4 = 16Ψ bytes on every rank."""
+    stage = 0
 
     def __init__(self, model, cfg, process_group=None):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.cfg, self.comm = cfg, Comm(process_group, self.params[0].device)
+        self.cfg, self.model, self.comm = cfg, model, Comm(process_group, self.params[0].device)
         self.psi = sum(p.numel() for p in self.params)
         # gradient_as_bucket_view: grads live in DDP's all-reduce buckets, not in a second copy (4Ψ, not 8Ψ)
         self.module = torch.nn.parallel.DistributedDataParallel(model, process_group=process_group,
@@ -222,54 +245,86 @@ class DataParallel:
         return grad_norm
 
     def populations(self):
-        p = self.params[0]
-        sizes = {'params': (p.dtype, self.psi), 'grads': (p.dtype, self.psi),
-                 'exp_avg': (torch.float32, self.psi), 'exp_avg_sq': (torch.float32, self.psi)}
-        return {k: (dt, n * dt.itemsize) for k, (dt, n) in sizes.items()}
-
-    def full_state_dict(self):
-        return {k: v.to('cpu', torch.float32, copy=True) for k, v in self.module.module.state_dict().items()}
-
-    def state_dict(self):
-        return {'optimizer': self.optimizer.state_dict()}
-
-    def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state['optimizer'])
+        n = self.psi * 4  # fp32 params, grads (in DDP's buckets), exp_avg, exp_avg_sq
+        return {k: ('float32', n) for k in ('params', 'grads', 'exp_avg', 'exp_avg_sq')}
 
 # -----------------------------------------------------------------------------
 # Stage 1: shard the optimizer state
+#
+# [Note: who holds the master] Each rank keeps the exact (fp32) value of the params of its shard in one of
+# four forms (kernels.Precision decides; the fused step reads and writes each form):
+#     fp32 compute         the fp32 param shard is the master: one copy, not two
+#     master 'fp32'        an fp32 master shard; the bf16/fp16 compute params are its rounding
+#     master 'remainder'   the bf16 param shard + an int16 remainder: together exactly the fp32 value
+#     master 'none'        the bf16 param shard alone: each update is rounded into it
+# Stage 3 keeps no bf16 shard beside an fp32 master: each all-gather rounds the master on the way in (as
+# FSDP2 does), which saves 2Ψ/N bytes for one cast of the unit's Ψ/N-element shard per gather.
+
+
+class LossScaler:
+    """[Note: dynamic loss scaling] fp16 has 5 exponent bits: grads below ~6e-8 flush to zero. The loss is
+    multiplied by S before backward, which lifts every grad by S, and the fused step divides by S for free
+    (its grad_scale). An overflow shows as a non-finite global grad norm, which every rank computes from the
+    same all-reduce: the step is skipped on every rank and S halves. After 2000 clean steps S doubles.
+    S = 1 and nothing happens for fp32 and bf16 (8 exponent bits, like fp32)."""
+
+    def __init__(self, enabled, scale=2.0**16, growth_interval=2000):
+        self.enabled, self.scale, self.growth_interval, self.clean_steps = enabled, scale if enabled else 1.0, growth_interval, 0
+
+    def get_scale(self):  # the name torch's GradScaler uses (stage 0), so train.py logs either the same way
+        return self.scale
+
+    def update(self, finite):
+        if self.enabled:
+            self.clean_steps = self.clean_steps + 1 if finite else 0
+            if not finite or self.clean_steps == self.growth_interval:
+                self.scale *= 2.0 if finite else 0.5
+                self.clean_steps = 0
 
 
 class Zero1:
-    """Every rank keeps the full compute params and a full fp32 flat_grad, and owns 1/N of the fp32
-    master, exp_avg and exp_avg_sq. Grads are reduce-scattered bucket by bucket during the last
-    micro-step's backward; after the step each bucket's new params are all-gathered."""
+    """Every rank keeps the full compute params and a full flat_grad, and owns 1/N of the master, exp_avg
+    and exp_avg_sq. Grads are reduce-scattered bucket by bucket during the last micro-step's backward;
+    after the step each bucket's new params are all-gathered."""
     stage = 1
 
-    def __init__(self, model, cfg, units=(), process_group=None):
+    def __init__(self, model, cfg, units=(), process_group=None, device=None):
         params = [p for p in model.parameters() if p.requires_grad]  # tied params appear once
-        self.cfg, self.comm, self.model, self.module = cfg, Comm(process_group, params[0].device), model, model
+        self.names = {p: name for name, p in model.named_parameters()}
+        self.device = device or params[0].device  # a model on the meta device is materialized there
+        self.cfg, self.model, self.module, self.precision = cfg, model, model, cfg.precision
+        self.comm = Comm(process_group, self.device)
         self.psi = sum(p.numel() for p in params)
         # 1) the layout: buckets in the order backward fills them, checked equal on every rank
         self.buckets = self.plan_buckets(model, params, units)
         self.comm.check_same('bucket layout', fingerprint(self.buckets) + [self.stage])
-        shard_numel = 0
-        for b in self.buckets:
-            b.shard_offset, shard_numel = shard_numel, shard_numel + b.shard_numel
+        self.shard_numel = self.flat_numel = 0
+        for i, b in enumerate(self.buckets):
+            b.index, b.shard_offset, b.flat_offset = i, self.shard_numel, self.flat_numel
+            self.shard_numel, self.flat_numel = self.shard_numel + b.shard_numel, self.flat_numel + b.padded_numel
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        # 2) the sharded fp32 optimizer state: one (shard_numel,) tensor each, a slice per bucket
-        device = params[0].device
-        self.master_shard, self.exp_avg, self.exp_avg_sq, self.grad_shard = (
-            torch.zeros(shard_numel, dtype=torch.float32, device=device) for _ in range(4))
-        self.found_inf = torch.zeros(1, device=device)  # the kernel's flag; step() already skips on a non-finite norm
+        # 2) the sharded optimizer state: one (shard_numel,) tensor per population, a slice per bucket
+        master_dtype = self.precision.master_dtype(cfg.param_dtype)
+        self.master = None if master_dtype is None else self.new_state(master_dtype)
+        state_dtype = self.precision.state_torch_dtype
+        if state_dtype == torch.uint8:  # 8-bit moments: codes + one fp32 absmax per 256-element block
+            zeros = torch.zeros(self.shard_numel, device=self.device)
+            (self.exp_avg, absmax_m), (self.exp_avg_sq, absmax_v) = (kernels.quantize(zeros, signed=s) for s in (True, False))
+            self.absmax = (absmax_m, absmax_v)
+        else:
+            self.exp_avg, self.exp_avg_sq, self.absmax = self.new_state(state_dtype), self.new_state(state_dtype), None
+        self.flat_grad = self.grad_shard = None  # exist from a step's first grad to the end of its step
+        self.found_inf = torch.zeros(1, device=self.device)  # the kernel's flag; step() already skips on a non-finite norm
         self.step_count = 0
-        # 3) the compute params, from rank 0's fp32 values (like DDP); the master shards from the same
+        self.scaler = LossScaler(enabled=cfg.param_dtype == torch.float16)
+        # 3) the compute params and the masters, from rank 0's values (like DDP) or from the model's own init
         self.init_params()
-        self.init_grads()
-        for p in model.parameters():  # frozen params: not sharded, just in the compute dtype everywhere
+        for name, p in model.named_parameters():  # frozen params: not sharded, in the compute dtype everywhere
             if not p.requires_grad:
-                p.data = p.data.to(cfg.param_dtype)
-                self.comm.broadcast(p.data)
+                was_meta = p.is_meta
+                fsdp_lite.point_param_at(p, self.pack_one(name, p).to(cfg.param_dtype))
+                if not was_meta:
+                    self.comm.broadcast(p.data)
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.sync = True
@@ -279,32 +334,75 @@ class Zero1:
 
     def plan_buckets(self, model, params, units):
         bucket_numel = self.cfg.bucket_mb * 2**20 // self.cfg.reduce_dtype.itemsize
-        return plan_buckets(params[::-1], bucket_numel, self.comm.world_size, self.comm.rank)
+        return plan_buckets(params[::-1], bucket_numel, self.comm.world_size, self.comm.rank, self.align)
+
+    @property
+    def align(self):
+        return max(ALIGN, self.precision.align)
+
+    def new_state(self, dtype):
+        return torch.zeros(self.shard_numel, dtype=dtype, device=self.device)
+
+    def pack(self, b):
+        """The bucket's initial values, fp32 (padded_numel,). [Note: meta-device init] A model built on the meta
+        device holds no numbers: each param is filled here by model.init_param, one bucket (one unit, in stage 3)
+        at a time, so no rank ever holds the whole model; the values are the same on every rank by construction.
+        Real params are copied, from rank 0 (like DDP)."""
+        flat = torch.zeros(b.padded_numel, dtype=torch.float32, device=self.device)
+        for p, view in b.views(flat):
+            view.copy_(self.pack_one(self.names[p], p))
+        if not b.params[0].is_meta:
+            self.comm.broadcast(flat)
+        return flat
+
+    def pack_one(self, name, p):
+        if not p.is_meta:
+            return p.detach()
+        value = torch.empty(p.shape, device=self.device)
+        self.model.init_param(name, value)
+        return value
 
     def init_params(self):
-        """Every param becomes a view into one flat_param (param_dtype)."""
-        self.flat_param = torch.empty(sum(b.padded_numel for b in self.buckets), dtype=self.cfg.param_dtype,
-                                      device=self.master_shard.device)
-        start = 0
+        """Every param becomes a view into one flat_param (param_dtype); the masters hold the exact values."""
+        self.flat_param = torch.empty(self.flat_numel, dtype=self.cfg.param_dtype, device=self.device)
         for b in self.buckets:
-            flat32 = b.pack(torch.float32)
-            self.comm.broadcast(flat32)
-            self.master_shard[b.shard_slice] = b.shard(flat32)
-            b.flat_param = self.flat_param[start:start + b.padded_numel]
-            b.flat_param.copy_(flat32)
+            flat32 = self.pack(b)
+            b.flat_param = self.flat_param[b.flat_offset:b.flat_offset + b.padded_numel]
+            b.flat_param.copy_(kernels.cast_param(flat32, self.cfg.param_dtype))
+            self.set_master(b, b.shard(flat32))
             for p, view in b.views(b.flat_param):
-                p.data = view
-            start += b.padded_numel
-
-    def init_grads(self):
-        """Stage 1 accumulates every grad, across micro-steps, into one full flat_grad (reduce_dtype)."""
-        self.flat_grad = torch.zeros_like(self.flat_param, dtype=self.cfg.reduce_dtype)
-        start = 0
-        for b in self.buckets:
-            b.flat_grad, start = self.flat_grad[start:start + b.padded_numel], start + b.padded_numel
+                fsdp_lite.point_param_at(p, view)
 
     def param_shard(self, b):
         return b.shard(b.flat_param)  # this rank's slice of the bucket's compute params
+
+    def step_tensors(self, b):
+        """The fused step's (master, param) for bucket b: see [Note: who holds the master]."""
+        master, param = None if self.master is None else self.master[b.shard_slice], self.param_shard(b)
+        if master is None and param.dtype == torch.float32:
+            return param, None  # fp32 compute: the params are the masters
+        return master, param
+
+    def set_master(self, b, values):
+        """Store the exact fp32 values of this rank's shard of b in the form the precision keeps."""
+        master, param = self.step_tensors(b)
+        if master is None:  # master 'none': the bf16 params are all there is
+            param.copy_(kernels.cast_param(values, param.dtype))
+        elif master.dtype == torch.int16:  # 'remainder': the bf16 params + the low 16 bits
+            param_values, remainder = kernels.split_master(values)
+            param.copy_(param_values)
+            master.copy_(remainder)
+        else:  # an fp32 master (or the fp32 params themselves), and its rounding into the compute params
+            master.copy_(values)
+            if param is not None:
+                param.copy_(kernels.cast_param(values, param.dtype))
+
+    def master_values(self, b):
+        """The exact fp32 values of this rank's shard of b (a view where they are stored as fp32)."""
+        master, param = self.step_tensors(b)
+        if master is None:
+            return param.float()
+        return kernels.join_master(param, master) if master.dtype == torch.int16 else master
 
     # --- grads: collected by per-param hooks, reduce-scattered bucket by bucket during backward
 
@@ -313,7 +411,7 @@ class Zero1:
         self.sync = sync
 
     def backward(self, loss):
-        loss.backward()
+        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         self._finish_backward()
 
     def _on_grad(self, p):
@@ -324,10 +422,14 @@ class Zero1:
             self._launch_ready_buckets(flush=False)
 
     def grad_ready(self, b, p):
-        b.flat_grad[b.offset_of[p]:][:p.numel()].add_(p.grad.view(-1))  # add: accumulates micro-steps
+        self.grad_buffer(b)[b.offset_of[p]:][:p.numel()].add_(p.grad.view(-1))  # add: accumulates micro-steps
         p.grad = None  # the grad lives in flat_grad now
 
     def grad_buffer(self, b):
+        if self.flat_grad is None:  # the step's first grad: a full flat_grad until the step is done
+            self.flat_grad = torch.zeros(self.flat_numel, dtype=self.cfg.reduce_dtype, device=self.device)
+            for bucket in self.buckets:
+                bucket.flat_grad = self.flat_grad[bucket.flat_offset:bucket.flat_offset + bucket.padded_numel]
         return b.flat_grad
 
     def _launch_ready_buckets(self, flush):
@@ -340,8 +442,9 @@ class Zero1:
             # grads wait as p.grad, which autograd allocated anyway), while each reduce-scatter still
             # overlaps the backward of the next bucket
             self._wait_in_flight()
-            out = torch.empty(b.shard_numel, dtype=self.cfg.reduce_dtype, device=self.grad_shard.device)
-            self.in_flight.append((b, self.comm.reduce_scatter(out, self.grad_buffer(b), async_op=True), out))
+            out = torch.empty(b.shard_numel, dtype=self.cfg.reduce_dtype, device=self.device)
+            work = self.comm.reduce_scatter(out, self.grad_buffer(b), async_op=True, name=f'reduce_scatter bucket {b.index}')
+            self.in_flight.append((b, work, out))
             self.launched(b)
             self.next_bucket += 1
 
@@ -350,7 +453,10 @@ class Zero1:
 
     def _wait_in_flight(self):
         for b, work, out in self.in_flight:
-            work.wait()
+            with record_function(f'wait reduce_scatter bucket {b.index}'):
+                work.wait()
+            if self.grad_shard is None:  # fp32, from the first reduce-scatter of a step to the end of the step
+                self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
             self.grad_shard[b.shard_slice] += out  # fp32 accumulator (stages 2/3: across micro-steps)
             self.reduced(b)
         self.in_flight = []
@@ -369,27 +475,32 @@ class Zero1:
         for b in self.buckets:
             b.ready.clear()
 
-    # --- the step: AdamW on this rank's fp32 master shard, then the compute params
+    # --- the step: AdamW on this rank's master shard, then the compute params
 
     @torch.no_grad()
     def step(self, lr):
-        cfg = self.cfg
+        cfg, scale = self.cfg, self.scaler.scale
+        if self.grad_shard is None:  # no backward since the last step
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
         # global grad norm: shards are disjoint and pads are 0, so the sum of every rank's squares is exact
         sumsq = self.grad_shard.square().sum()
         self.comm.all_reduce_sum(sumsq)
-        grad_norm = sumsq.sqrt().item()
+        grad_norm = sumsq.sqrt().item() / scale  # the grads hold the loss scale (1 unless fp16)
+        self.scaler.update(finite=math.isfinite(grad_norm))
         if not math.isfinite(grad_norm):  # every rank sees the same norm, so every rank skips
             self.zero_grad()
             return grad_norm
         clip = min(1.0, cfg.grad_clip / (grad_norm + 1e-6)) if cfg.grad_clip > 0 else 1.0  # as clip_grad_norm_
         self.step_count += 1
+        seed = cfg.seed if self.precision.stochastic_rounding else None
         gathers = []
         for b in self.buckets:
-            s = b.shard_slice
-            kernels.adamw_step(self.master_shard[s], self.grad_shard[s], self.exp_avg[s], self.exp_avg_sq[s],
-                               self.param_shard(b), self.found_inf, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
-                               eps=cfg.eps, weight_decay=cfg.weight_decay, decay_numel=b.shard_decay_numel,
-                               step=self.step_count, grad_scale=clip, impl=cfg.optimizer_impl)
+            s, (master, param) = b.shard_slice, self.step_tensors(b)
+            kernels.adamw_step(master, self.grad_shard[s], self.exp_avg[s], self.exp_avg_sq[s], param, self.found_inf,
+                               lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                               decay_numel=b.shard_decay_numel, step=self.step_count, grad_scale=clip / scale,
+                               absmax=self.absmax_of(b), rounding_seed=seed,
+                               index_offset=b.flat_offset + self.comm.rank * b.shard_numel, impl=cfg.optimizer_impl)
             gathers.append(self.gather_params(b))  # async: the next bucket's step overlaps this gather
         for work in gathers:
             if work is not None:
@@ -397,62 +508,39 @@ class Zero1:
         self.zero_grad()
         return grad_norm
 
+    def absmax_of(self, b):
+        """8-bit state: this bucket's slice of the per-block scales (shard offsets are multiples of the block)."""
+        if self.exp_avg.dtype != torch.uint8:
+            return None
+        blocks = slice(b.shard_offset // self.precision.align, (b.shard_offset + b.shard_numel) // self.precision.align)
+        return tuple(a[blocks] for a in self.absmax)
+
     def gather_params(self, b):
         """Every rank needs every new param: all-gather in place (this rank's slice is the input)."""
-        return self.comm.all_gather(b.flat_param, self.param_shard(b), async_op=True)
+        return self.comm.all_gather(b.flat_param, self.param_shard(b), async_op=True, name=f'all_gather bucket {b.index}')
 
     def zero_grad(self):
-        self.grad_shard.zero_()
-        self.flat_grad.zero_()
+        self.flat_grad = self.grad_shard = None
+        for b in self.buckets:
+            b.flat_grad = None
 
-    # --- what each rank holds, and checkpoints
+    # --- what each rank holds (memory.py turns it into the startup table)
 
     def populations(self):
-        """population -> (dtype, bytes this rank holds), counted from the tensors this object owns."""
-        shard_bytes = self.master_shard.numel() * 4
-        params = sum(self.param_bytes(b) for b in self.buckets)
-        full = self.flat_grad  # stage 1 only
-        grads = shard_bytes + (full.numel() * full.element_size() if full is not None else 0)
-        return {'params': (self.cfg.param_dtype, params),
-                'grads': (full.dtype if full is not None else torch.float32, grads),
-                'master': (torch.float32, shard_bytes), 'exp_avg': (torch.float32, shard_bytes),
-                'exp_avg_sq': (torch.float32, shard_bytes)}
+        """population -> (dtype, bytes this rank holds during a step), counted from the tensors this object
+        owns; the grads, which live only from a step's first grad to its end, from their sizes."""
+        grads = self.shard_numel * 4 + (self.flat_numel * self.cfg.reduce_dtype.itemsize if self.stage == 1 else 0)
+        params, reduce = self.param_bytes(), str(self.cfg.reduce_dtype)[6:]
+        pops = {'params': (str(self.cfg.param_dtype)[6:] if params else '(the masters)', params),
+                'grads': ('float32' if self.stage > 1 else f'{reduce}+fp32', grads)}
+        for name, t in (('master', self.master), ('exp_avg', self.exp_avg), ('exp_avg_sq', self.exp_avg_sq)):
+            extra = self.absmax[name == 'exp_avg_sq'] if name != 'master' and t.dtype == torch.uint8 else None
+            nbytes = sum(x.numel() * x.element_size() for x in (t, extra) if x is not None)
+            pops[name] = (self.precision.label(name, self.cfg.param_dtype), nbytes)
+        return pops
 
-    def param_bytes(self, b):
-        return b.flat_param.numel() * b.flat_param.element_size()
-
-    def full_state_dict(self):
-        """The model's state_dict in fp32, trainable params gathered from the master shards (exact,
-        unlike the bf16 compute params). Every rank must call it; every rank gets the whole dict, in host
-        memory: a GPU holds one gathered bucket at a time, so saving adds no full-model copy there."""
-        full = {}
-        for b in self.buckets:
-            flat = torch.empty(b.padded_numel, dtype=torch.float32, device=self.master_shard.device)
-            dist.all_gather_into_tensor(flat, self.master_shard[b.shard_slice], group=self.comm.process_group)
-            full.update({id(p): view.to('cpu', copy=True) for p, view in b.views(flat)})
-        return {name: full[id(t)] if id(t) in full else t.detach().to('cpu', torch.float32, copy=True)
-                for name, t in self.model.state_dict(keep_vars=True).items()}
-
-    def state_dict(self):
-        return {'step_count': self.step_count, 'master_shard': self.master_shard, 'exp_avg': self.exp_avg,
-                'exp_avg_sq': self.exp_avg_sq, 'fingerprint': fingerprint(self.buckets) + [self.stage],
-                'world_size': self.comm.world_size, 'rank': self.comm.rank}
-
-    @torch.no_grad()
-    def load_state_dict(self, state):
-        mine = fingerprint(self.buckets) + [self.stage]
-        if state['fingerprint'] != mine or state['world_size'] != self.comm.world_size:
-            raise ValueError(f"this optimizer shard was saved by a run with another layout (world_size "
-                             f"{state['world_size']}, layout {state['fingerprint']}; now {self.comm.world_size}, {mine}): "
-                             "resume with the same model, zero_stage, bucket_mb and number of ranks")
-        self.step_count = state['step_count']
-        for name in ('master_shard', 'exp_avg', 'exp_avg_sq'):
-            getattr(self, name).copy_(state[name])
-        for b in self.buckets:  # the compute params follow the masters
-            self.param_shard(b).copy_(self.master_shard[b.shard_slice])
-            work = self.gather_params(b)
-            if work is not None:
-                work.wait()
+    def param_bytes(self):
+        return self.flat_param.numel() * self.flat_param.element_size()
 
 # -----------------------------------------------------------------------------
 # Stage 2: ... and shard the grads
@@ -464,9 +552,6 @@ class Zero2(Zero1):
     micro-step's backward reduce-scatters (the trade: a Ψ per micro-step instead of Ψ per step)."""
     stage = 2
 
-    def init_grads(self):
-        self.flat_grad = None  # grads exist only per bucket, per micro-step: see grad_buffer
-
     def set_grad_sync(self, sync):
         self.sync = True
 
@@ -474,7 +559,7 @@ class Zero2(Zero1):
         pass  # keep p.grad until the whole bucket is ready, then copy it into a fresh buffer
 
     def grad_buffer(self, b):
-        b.flat_grad = torch.zeros(b.padded_numel, dtype=self.cfg.reduce_dtype, device=self.grad_shard.device)
+        b.flat_grad = torch.zeros(b.padded_numel, dtype=self.cfg.reduce_dtype, device=self.device)
         for p, view in b.views(b.flat_grad):
             if p.grad is not None:  # None: no grad this micro-step (flush); zeros are sent for it
                 view.copy_(p.grad)
@@ -487,16 +572,14 @@ class Zero2(Zero1):
         b.flat_grad = None
         self.live_grad_buffers -= 1
 
-    def zero_grad(self):
-        self.grad_shard.zero_()
-
 # -----------------------------------------------------------------------------
 # Stage 3: ... and shard the params (the mechanics are in fsdp_lite.py)
 
 
 class Zero3(Zero2):
     """One bucket per fsdp_lite unit; the unit holds only its shard of the params between uses. The
-    optimizer writes the sharded params; the next forward all-gathers them, so the step gathers nothing."""
+    optimizer writes the sharded params (or the masters they are gathered from); the next forward
+    all-gathers them, so the step gathers nothing."""
     stage = 3
 
     def plan_buckets(self, model, params, units):
@@ -504,23 +587,29 @@ class Zero3(Zero2):
         unit_params = [(u, [p for p in u.parameters() if p.requires_grad]) for u in units]
         in_units = {p for _, ps in unit_params for p in ps}
         unit_params = unit_params[::-1] + [(model, [p for p in params if p not in in_units])]
-        self.pairs = [(m, Bucket(ps, self.comm.world_size, self.comm.rank, default_decays)) for m, ps in unit_params if ps]
+        self.pairs = [(m, Bucket(ps, self.comm.world_size, self.comm.rank, default_decays, self.align))
+                      for m, ps in unit_params if ps]
         return [b for _, b in self.pairs]
 
     def init_params(self):
-        self.units = fsdp_lite.fully_shard(self.pairs, self.model, self.comm, self.cfg)
+        # the sharded param each unit all-gathers from: the master itself when it is kept in fp32 (the unit
+        # rounds it to param_dtype on the way in), else a stored shard in param_dtype ([Note: who holds the master])
+        keeps_shard = self.master is None or self.master.dtype != torch.float32
+        self.param_shards = self.new_state(self.cfg.param_dtype) if keeps_shard else None
         for b in self.buckets:
-            self.master_shard[b.shard_slice] = b.unit.master_init
-            del b.unit.master_init
+            self.set_master(b, b.shard(self.pack(b)))  # one unit's fp32 values alive at a time
+        sharded = [(self.param_shards if keeps_shard else self.master)[b.shard_slice] for b in self.buckets]
+        self.units = fsdp_lite.fully_shard([(m, b, s) for (m, b), s in zip(self.pairs, sharded)], self.model,
+                                           self.comm, self.cfg)
 
     def param_shard(self, b):
-        return b.unit.sharded_param
+        return None if self.param_shards is None else self.param_shards[b.shard_slice]
 
-    def param_bytes(self, b):
-        return b.unit.sharded_param.numel() * b.unit.sharded_param.element_size()
+    def param_bytes(self):
+        return 0 if self.param_shards is None else self.param_shards.numel() * self.param_shards.element_size()
 
     def launched(self, b):
-        b.unit.post_backward()  # the unit's grads are all in its bucket: its params can go
+        self.units[b.index].post_backward()  # the unit's grads are all in its bucket: its params can go
 
     def _finish_backward(self):
         super()._finish_backward()
@@ -530,7 +619,7 @@ class Zero3(Zero2):
         return None
 
 
-def plan_buckets(params, bucket_numel, world_size, rank):
+def plan_buckets(params, bucket_numel, world_size, rank, align=ALIGN):
     """Greedy, in order: start a new bucket when the next param would overflow this one (a param bigger
     than bucket_numel gets a bucket to itself)."""
     buckets, current, numel = [], [], 0
@@ -542,34 +631,17 @@ def plan_buckets(params, bucket_numel, world_size, rank):
         numel += p.numel()
     if current:
         buckets.append(current)
-    return [Bucket(ps, world_size, rank, default_decays) for ps in buckets]
+    return [Bucket(ps, world_size, rank, default_decays, align) for ps in buckets]
 
 
-def build_engine(model, cfg, units=(), process_group=None):
-    """units: the submodules that become fsdp_lite units in stage 3 (e.g. the transformer blocks)."""
+def build_engine(model, cfg, units=(), process_group=None, device=None):
+    """units: the submodules that become fsdp_lite units in stage 3 (e.g. the transformer blocks).
+    device: where a model built on the meta device is materialized (stages 1-3)."""
     if cfg.stage == 0:
         return DataParallel(model, cfg, process_group)
-    return (Zero1, Zero2, Zero3)[cfg.stage - 1](model, cfg, units, process_group)
+    return (Zero1, Zero2, Zero3)[cfg.stage - 1](model, cfg, units, process_group, device)
 
 
-def memory_report(engine, world_size):
-    """The startup table: dtype and bytes this rank holds per population, next to the formula. The
-    paper's 2Ψ + 2Ψ + 12Ψ assumes bf16 params and grads; the formula column uses this run's dtypes:
-    params p·Ψ (p = bytes of param_dtype), grads: stage 1 keeps a full r·Ψ flat_grad (r = reduce_dtype)
-    plus the fp32 grad shard 4Ψ/N, stages 2-3 only the shard; master, exp_avg, exp_avg_sq 4Ψ/N each."""
-    psi, cfg, N = engine.psi, engine.cfg, world_size
-    p, r, stage = cfg.param_dtype.itemsize, cfg.reduce_dtype.itemsize, cfg.stage
-    if stage == 0:  # DDP + torch AdamW: fp32 params and grads, fp32 moments, nothing sharded
-        formula = {'params': 4 * psi, 'grads': 4 * psi, 'exp_avg': 4 * psi, 'exp_avg_sq': 4 * psi}
-    else:
-        formula = {'params': p * psi / (N if stage == 3 else 1), 'grads': 4 * psi / N + (r * psi if stage == 1 else 0),
-                   'master': 4 * psi / N, 'exp_avg': 4 * psi / N, 'exp_avg_sq': 4 * psi / N}
-    lines = [f"model states per rank, Ψ = {psi:,} trainable params, zero_stage={stage}, N={N}:",
-             f"  {'population':<11} {'dtype':<9} {'bytes':>10}   {'formula':>10}"]
-    total = 0
-    for name, (dtype, nbytes) in engine.populations().items():
-        total += nbytes
-        lines.append(f"  {name:<11} {str(dtype).replace('torch.', ''):<9} {nbytes / 2**20:>8.2f}MB   {formula[name] / 2**20:>8.2f}MB")
-    lines.append(f"  {'total':<21} {total / 2**20:>8.2f}MB   {sum(formula.values()) / 2**20:>8.2f}MB"
-                 f"   = {total / psi:.2f} bytes/param (DDP with bf16: 16; ZeRO-3 with bf16: 16/N = {16 / N:.2f})")
-    return '\n'.join(lines)
+if __name__ == '__main__':
+    import memory
+    memory.main(sys.argv[1:])

@@ -1,0 +1,376 @@
+"""
+Checkpoints that survive anything: sharded, atomic, resumable at another world size and stage, and
+consolidated into one nanoGPT-layout file on demand.
+
+    out_dir/ckpt-00000250/rank00000.pt ...   each rank's own shards, in the form its precision stores them
+    out_dir/ckpt-00000250/manifest.json      written last, by rank 0: the flat layout, config, iteration, ...
+
+    python checkpoint.py consolidate out-shakespeare-char -o model.pt [--dtype bfloat16]   # needs no GPU, no ranks
+    python sample.py --ckpt=model.pt            (sample.py also reads a checkpoint directory directly)
+
+A save writes what the rank owns and nothing else: its slices of the masters, exp_avg and exp_avg_sq (and
+of the bf16 params where they are part of the master: remainder, none), one bucket at a time to host
+memory. Stage 0 (DDP) has one copy of everything, written by rank 0 as a 1-rank layout.
+
+[Note: atomic checkpoints] Every rank writes into ckpt-N.tmp/; after a barrier rank 0 writes the manifest
+(with every file's size) and renames the directory to ckpt-N. A rename is atomic, so a crash at any
+moment leaves either no ckpt-N or a complete one; resume takes the newest directory with a manifest and
+checks every file against it. Leftover .tmp directories are removed by the next save, and only the newest
+keep_last complete checkpoints stay. (Several nodes need out_dir on a shared filesystem.)
+
+[Note: resume anywhere] The manifest says where every param's elements live: bucket, offset, shard size,
+world size. A run with the same layout copies its own file back, bit for bit. Any other world size, stage
+or bucket size rebuilds its shards from the old ones: for each param piece it owns, it reads that range
+from whichever old ranks held it (memory-mapped, so only what is read is loaded), decoded to fp32, and
+stores it in its own precision. No conversion step for the user.
+"""
+import argparse
+import glob
+import json
+import os
+import shutil
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+import kernels
+
+FORMAT = 1
+POPULATIONS = ('master', 'exp_avg', 'exp_avg_sq')
+
+# -----------------------------------------------------------------------------
+# what a rank stores: its pieces of each bucket, and the layout that says whose they are
+
+
+def layout(engine):
+    """Per bucket: the params (name, shape, offset in the padded flat), sizes and where the shard lives."""
+    if engine.stage == 0:  # one copy: a 1-rank layout, no padding
+        offsets = [sum(p.numel() for p in engine.params[:i]) for i in range(len(engine.params))]
+        names = {p: n for n, p in engine.model.named_parameters()}
+        numel = sum(p.numel() for p in engine.params)
+        return [dict(params=[[names[p], list(p.shape), o] for p, o in zip(engine.params, offsets)], numel=numel,
+                     padded_numel=numel, shard_numel=numel, shard_offset=0, flat_offset=0)]
+    return [dict(params=[[engine.names[p], list(p.shape), o] for p, o in zip(b.params, b.offsets)], numel=b.numel,
+                 padded_numel=b.padded_numel, shard_numel=b.shard_numel, shard_offset=b.shard_offset,
+                 flat_offset=b.flat_offset) for b in engine.buckets]
+
+
+def pieces(engine, b):
+    """This rank's stored tensors for bucket b: whatever its precision keeps (see zero.py [Note: who holds the master])."""
+    master, param = engine.step_tensors(b)
+    out = {'exp_avg': engine.exp_avg[b.shard_slice], 'exp_avg_sq': engine.exp_avg_sq[b.shard_slice]}
+    if master is not None:
+        out['master'] = master
+    if param is not None and (master is None or master.dtype == torch.int16):
+        out['param'] = param  # part of the master; next to an fp32 master the params are only its rounding
+    absmax = engine.absmax_of(b)
+    if absmax is not None:
+        out['exp_avg_absmax'], out['exp_avg_sq_absmax'] = absmax
+    return out
+
+
+def rank_state(engine):
+    """{name: host tensor}: this rank's pieces of every bucket, concatenated, copied one bucket at a time."""
+    if engine.stage == 0:
+        state = engine.optimizer.state
+        return {'master': torch.cat([p.detach().float().flatten().cpu() for p in engine.params]),
+                **{k: torch.cat([state[p][k].flatten().cpu() for p in engine.params]) for k in ('exp_avg', 'exp_avg_sq')}}
+    per_bucket = [pieces(engine, b) for b in engine.buckets]
+    out = {}
+    for name in per_bucket[0]:
+        out[name] = torch.empty(sum(p[name].numel() for p in per_bucket), dtype=per_bucket[0][name].dtype)
+        start = 0
+        for p in per_bucket:
+            out[name][start:start + p[name].numel()].copy_(p[name])
+            start += p[name].numel()
+    return out
+
+
+def step_count(engine):
+    if engine.stage == 0:
+        state = engine.optimizer.state.get(engine.params[0], {})
+        return int(state['step']) if 'step' in state else 0
+    return engine.step_count
+
+# -----------------------------------------------------------------------------
+# save
+
+
+def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
+    """Every rank calls it. Returns the path of the complete checkpoint."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out_dir = cfg['out_dir']
+    final = os.path.join(out_dir, f'ckpt-{iter_num:08d}')
+    tmp = final + '.tmp'
+    if os.path.exists(os.path.join(final, 'manifest.json')):  # e.g. the eval right after resuming from it
+        return final
+    if rank == 0:
+        log(f"saving checkpoint {final} ({world_size if engine.stage else 1} shard file(s))")
+        for stale in glob.glob(os.path.join(out_dir, 'ckpt-*.tmp')):  # left by a crash during an earlier save
+            shutil.rmtree(stale, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    if engine.stage > 0 or rank == 0:
+        state = rank_state(engine)
+        if rank == 0:  # frozen params are not sharded: one copy
+            state['frozen'] = {n: p.detach().cpu() for n, p in engine.model.named_parameters() if not p.requires_grad}
+        write(state, os.path.join(tmp, f'rank{rank:05d}.pt'))
+    fault_point('save', iter_num)
+    dist.barrier()
+    if rank == 0:
+        files = sorted(os.listdir(tmp))
+        manifest = dict(format=FORMAT, iter_num=iter_num, best_val_loss=best_val_loss, config=cfg,
+                        model_args=model_args, stage=engine.stage, world_size=world_size if engine.stage else 1,
+                        param_dtype=str(engine.cfg.param_dtype)[6:], step_count=step_count(engine),
+                        loss_scale=scaler_state(engine), precision=vars(engine.cfg.precision),
+                        layout=layout(engine), files={f: os.path.getsize(os.path.join(tmp, f)) for f in files})
+        with open(os.path.join(tmp, 'manifest.json'), 'w') as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, final)  # [Note: atomic checkpoints]
+        for old in sorted(glob.glob(os.path.join(out_dir, 'ckpt-*[0-9]')))[:-cfg['keep_last']]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def write(obj, path):
+    with open(path, 'wb') as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def scaler_state(engine):
+    if engine.stage == 0:
+        return {'scale': engine.scaler.get_scale(), 'clean_steps': engine.scaler.state_dict().get('_growth_tracker', 0)}
+    return {'scale': engine.scaler.scale, 'clean_steps': engine.scaler.clean_steps}
+
+
+def fault_point(where, iteration):
+    """A test hook (test_checkpoint.py): NANOZERO_FAULT=where:iteration:rank SIGKILLs that rank at that point,
+    on the first attempt only (torchrun sets TORCHELASTIC_RESTART_COUNT on restarts)."""
+    if (os.environ.get('NANOZERO_FAULT') == f"{where}:{iteration}:{os.environ.get('RANK')}"
+            and os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0'):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+# -----------------------------------------------------------------------------
+# find, check, read
+
+
+def latest(out_dir):
+    """The newest complete checkpoint directory in out_dir, or None."""
+    done = sorted(glob.glob(os.path.join(out_dir, 'ckpt-*[0-9]', 'manifest.json')))
+    return os.path.dirname(done[-1]) if done else None
+
+
+def read_manifest(path):
+    """The manifest, after checking the format and that every file is there with its full size."""
+    where = os.path.join(path, 'manifest.json')
+    try:
+        with open(where) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: not a readable manifest ({e})") from None
+    if manifest.get('format') != FORMAT:
+        raise ValueError(f"{where}: format version {manifest.get('format')!r}, this nanozero reads {FORMAT}")
+    for name, size in manifest['files'].items():
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            raise ValueError(f"{file} is missing (the manifest lists it): the checkpoint is incomplete")
+        if os.path.getsize(file) != size:
+            raise ValueError(f"{file} is truncated or changed: {os.path.getsize(file):,} bytes, the manifest says {size:,}")
+    return manifest
+
+
+def find_resume(cfg, model_args):
+    """(path, manifest) to resume from, or None. init_from='resume' needs a checkpoint; a worker restarted by
+    torchrun (--max-restarts) resumes from the newest complete one when there is one."""
+    restarted = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)) > 0
+    if cfg['init_from'] != 'resume' and not restarted:
+        return None
+    path = latest(cfg['out_dir'])
+    if path is None:
+        if restarted:
+            return None
+        raise ValueError(f"init_from='resume': no complete checkpoint (ckpt-*/manifest.json) in {cfg['out_dir']}")
+    manifest = read_manifest(path)
+    differ = {k: (v, model_args.get(k)) for k, v in manifest['model_args'].items() if model_args.get(k) != v}
+    if differ:
+        what = ', '.join(f"{k}={old} (the config says {new})" for k, (old, new) in differ.items())
+        raise ValueError(f"{path}/manifest.json was saved by another model: {what}; resume with the same model "
+                         f"or use another out_dir")
+    return path, manifest
+
+
+class Shards:
+    """A checkpoint's rank files, memory-mapped on first use: the fp32 values of any range of any param."""
+
+    def __init__(self, path, manifest):
+        self.path, self.manifest, self.files = path, manifest, {}
+        self.where = {name: (bucket, offset) for bucket in manifest['layout'] for name, _, offset in bucket['params']}
+
+    def file(self, rank):
+        if rank not in self.files:
+            name = os.path.join(self.path, f'rank{rank:05d}.pt')
+            try:
+                self.files[rank] = torch.load(name, map_location='cpu', mmap=True, weights_only=True)
+            except Exception as e:
+                raise ValueError(f"{name}: cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
+        return self.files[rank]
+
+    def decode(self, rank, population, lo, hi):
+        """fp32 values of elements [lo, hi) of `rank`'s stored population."""
+        f = self.file(rank)
+        if population == 'master':
+            master, param = f.get('master'), f.get('param')
+            if master is None:
+                return param[lo:hi].float()
+            return kernels.join_master(param[lo:hi], master[lo:hi]) if master.dtype == torch.int16 else master[lo:hi].float()
+        stored = f[population]
+        if stored.dtype != torch.uint8:
+            return stored[lo:hi].float()
+        block = 256  # 8-bit state: shards are whole blocks, so element i's scale is absmax[i // 256]
+        b0, b1 = lo // block, -(-hi // block)
+        values = kernels.dequantize(stored[b0 * block:b1 * block], f[population + '_absmax'][b0:b1], signed=population == 'exp_avg')
+        return values[lo - b0 * block:hi - b0 * block]
+
+    def read(self, name, population, a, c):
+        """fp32 values of elements [a, c) of param `name` (flattened), from whichever ranks hold them."""
+        if name not in self.where:
+            raise ValueError(f"{self.path}: the checkpoint has no param {name}")
+        bucket, offset = self.where[name]
+        size, out = bucket['shard_numel'], []
+        g, end = offset + a, offset + c  # positions in the bucket's padded flat
+        while g < end:
+            rank = g // size
+            stop = min(end, (rank + 1) * size)
+            lo = bucket['shard_offset'] + g - rank * size
+            out.append(self.decode(rank, population, lo, lo + stop - g))
+            g = stop
+        return torch.cat(out) if out else torch.zeros(0)
+
+# -----------------------------------------------------------------------------
+# load into an engine, at the same layout (bit for bit) or any other
+
+
+def load(engine, path, manifest, log=print):
+    """Restore the optimizer state, params and counters; returns (iter_num, best_val_loss)."""
+    same = (manifest['stage'] == engine.stage and manifest['layout'] == layout(engine)
+            and manifest['world_size'] == (dist.get_world_size() if engine.stage else 1)
+            and manifest['precision'] == vars(engine.cfg.precision) and manifest['param_dtype'] == str(engine.cfg.param_dtype)[6:])
+    log(f"resuming from {path} (iteration {manifest['iter_num']}, stage {manifest['stage']} on {manifest['world_size']} "
+        f"rank(s){'' if same else f'; rebuilding the shards for stage {engine.stage} on {dist.get_world_size()} rank(s)'})")
+    shards = Shards(path, manifest)
+    with torch.no_grad():
+        if engine.stage == 0:
+            load_stage0(engine, shards, manifest)
+        else:
+            own = shards.file(dist.get_rank()) if same else None
+            start = {}
+            for b in engine.buckets:
+                if same:  # copy back what was saved: bit for bit
+                    for name, t in pieces(engine, b).items():
+                        t.copy_(own[name][start.get(name, 0):start.get(name, 0) + t.numel()])
+                        start[name] = start.get(name, 0) + t.numel()
+                    engine.set_master(b, engine.master_values(b).clone())  # the params follow (fp32 master: its rounding)
+                else:
+                    rebuild(engine, b, shards)
+                work = engine.gather_params(b)  # stages 1/2: every rank needs every new param
+                if work is not None:
+                    work.wait()
+            engine.step_count = manifest['step_count']
+            engine.scaler.scale, engine.scaler.clean_steps = manifest['loss_scale']['scale'], manifest['loss_scale']['clean_steps']
+        for name, value in shards.file(0).get('frozen', {}).items():
+            dict(engine.model.named_parameters())[name].data.copy_(value)
+    return manifest['iter_num'], manifest['best_val_loss']
+
+
+def rebuild(engine, b, shards):
+    """This rank's shard of bucket b from another layout: each param piece it owns, read as fp32, stored anew."""
+    lo = b.rank * b.shard_numel
+    values = {pop: torch.zeros(b.shard_numel) for pop in POPULATIONS}  # the pads stay 0
+    for p, offset in zip(b.params, b.offsets):
+        a, c = max(lo - offset, 0), min(lo + b.shard_numel - offset, p.numel())
+        for pop in POPULATIONS if a < c else ():
+            values[pop][offset + a - lo:offset + c - lo] = shards.read(engine.names[p], pop, a, c)
+    engine.set_master(b, values['master'].to(engine.device))
+    absmax = engine.absmax_of(b)
+    for k, pop in enumerate(('exp_avg', 'exp_avg_sq')):
+        store = getattr(engine, pop)[b.shard_slice]
+        if absmax is None:
+            store.copy_(values[pop])
+        else:  # 8-bit: requantized in this layout's blocks (exact only where the blocks are the same)
+            codes, scales = kernels.quantize(values[pop].to(engine.device), signed=pop == 'exp_avg')
+            store.copy_(codes)
+            absmax[k].copy_(scales)
+
+
+def load_stage0(engine, shards, manifest):
+    names = {p: n for n, p in engine.model.named_parameters()}
+    state = {}
+    for i, p in enumerate(engine.params):
+        read = [shards.read(names[p], pop, 0, p.numel()).view(p.shape) for pop in POPULATIONS]
+        p.data.copy_(read[0])
+        state[i] = {'step': torch.tensor(float(manifest['step_count'])), 'exp_avg': read[1], 'exp_avg_sq': read[2]}
+    engine.optimizer.load_state_dict({'state': state, 'param_groups': engine.optimizer.state_dict()['param_groups']})
+    if engine.scaler.is_enabled():
+        engine.scaler.load_state_dict({**engine.scaler.state_dict(), 'scale': manifest['loss_scale']['scale'],
+                                       '_growth_tracker': manifest['loss_scale']['clean_steps']})
+
+# -----------------------------------------------------------------------------
+# consolidate: one nanoGPT-layout state dict, no process group, no GPU
+
+
+def resolve(path):
+    """A checkpoint directory, or an out_dir (its newest complete checkpoint)."""
+    if os.path.exists(os.path.join(path, 'manifest.json')):
+        return path
+    found = latest(path)
+    if found is None:
+        raise ValueError(f"{path}: neither a checkpoint (no manifest.json) nor an out_dir with one (ckpt-*/manifest.json)")
+    return found
+
+
+def full_state_dict(path, dtype=torch.float32):
+    """(state dict with model.py's names and no padding, manifest). Tied weights are one tensor under both
+    names (torch.save stores it once; GPT.load_state_dict(strict=True) finds both). Peak memory: the model
+    plus the pages of the shards being read."""
+    from model import GPT, GPTConfig
+    path = resolve(path)
+    manifest = read_manifest(path)
+    shards = Shards(path, manifest)
+    with torch.device('meta'):
+        model = GPT(GPTConfig(**manifest['model_args']))
+    names = {p: n for n, p in model.named_parameters()}
+    frozen = shards.file(0).get('frozen', {})
+    values = {}
+    for p, name in names.items():
+        value = frozen[name] if name in frozen else shards.read(name, 'master', 0, p.numel())
+        values[p] = value.view(p.shape).to(dtype)
+    return {key: values[p] for key, p in model.state_dict(keep_vars=True).items()}, manifest
+
+
+def consolidate(path, out_file, dtype=torch.float32):
+    state, manifest = full_state_dict(path, dtype)
+    torch.save({'model': state, 'model_args': manifest['model_args'], 'iter_num': manifest['iter_num'],
+                'best_val_loss': manifest['best_val_loss'], 'config': manifest['config']}, out_file)
+    return manifest
+
+
+if __name__ == '__main__':
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('command', choices=['consolidate'])
+    parser.add_argument('path', help="a checkpoint directory (ckpt-N) or an out_dir (its newest complete checkpoint)")
+    parser.add_argument('-o', '--output', default='model.pt')
+    parser.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
+    args = parser.parse_args()
+    try:
+        manifest = consolidate(args.path, args.output, getattr(torch, args.dtype))
+    except ValueError as e:
+        sys.exit(f"checkpoint error: {e}")
+    print(f"{args.output}: iteration {manifest['iter_num']}, {args.dtype}, from stage {manifest['stage']} on "
+          f"{manifest['world_size']} rank(s)")

@@ -1,0 +1,220 @@
+"""
+The memory arithmetic of ZeRO: what each rank holds, counted from tensors while training and estimated
+before you rent the GPUs ("use the lowest stage that fits").
+
+    python zero.py estimate --params 70e9 --world 64                        # 1120 / 293 / 155 / 17.5 GB
+    python zero.py estimate --params 13e9 --world 8                         # 208 / 71.5 / 48.75 / 26 GB
+    python zero.py estimate --config config/zero3.py --world 64 --gpu_gb 80 # as configured, and which stage fits
+
+Units: GB = 1e9 bytes, as in the ZeRO paper and seed tables; the startup table prints MB = 1e6 bytes.
+The estimate for "nanozero as configured" is the same function (model_states) whose figures the startup
+table prints next to the bytes counted from the tensors, so the two cannot disagree unnoticed.
+"""
+import argparse
+import os
+
+import torch
+
+# -----------------------------------------------------------------------------
+# model states: the paper's model, and nanozero as configured
+
+
+def paper_states(stage, psi, world, k=12):
+    """The ZeRO paper's per-rank model states in bytes: 2Ψ bf16 params + 2Ψ bf16 grads + KΨ optimizer state
+    (K = 12: fp32 master, exp_avg, exp_avg_sq), stage s shards the last s of the three over `world` ranks."""
+    n = world
+    return {'params': 2 * psi / (n if stage >= 3 else 1), 'grads': 2 * psi / (n if stage >= 2 else 1),
+            'optimizer': k * psi / (n if stage >= 1 else 1)}
+
+
+def model_states(stage, psi, world, cfg):
+    """nanozero as configured (a zero.ZeroConfig): population -> (dtype or None, bytes per rank during a step).
+    The engines' populations() count the same from their tensors (padding aside: shards are padded up to a
+    multiple of 8 elements per rank and bucket, or 256 with 8-bit state)."""
+    if stage == 0:  # torch DDP + AdamW: fp32 params (autocast computes in param_dtype), fp32 grads and moments
+        return {k: (torch.float32, 4 * psi) for k in ('params', 'grads', 'exp_avg', 'exp_avg_sq')}
+    shard, precision, dtype = psi / world, cfg.precision, cfg.param_dtype
+    master = precision.master_dtype(dtype)  # None: the params hold it; float32; int16 remainder
+    # stage 3 stores the compute params only where they are (part of) the master: [Note: who holds the master]
+    params = dtype.itemsize * (psi if stage < 3 else shard if master != torch.float32 else 0)
+    per_element = precision.bytes_per_element(dtype)
+    out = {'params': (dtype if params else None, params),
+           'grads': ((cfg.reduce_dtype, torch.float32)[stage > 1], 4 * shard + (cfg.reduce_dtype.itemsize * psi if stage == 1 else 0)),
+           'master': (master, per_element['master'] * shard)}
+    for name in ('exp_avg', 'exp_avg_sq'):
+        out[name] = (precision.state_torch_dtype, per_element[name] * shard)
+    return out
+
+
+def communication(stage, psi, accum, cfg):
+    """Elements each rank sends per step (the paper's convention: an all-reduce of n elements is 2n, a
+    reduce-scatter or all-gather n), and bytes at the configured dtypes. accum: micro-steps per rank.
+    Stage 3 counts the backward re-gather of every unit; the root unit is kept from forward to backward, so
+    the real figure is lower by the root's share (train.py's log shows what is sent)."""
+    if stage == 0:
+        return {'all_reduce': (2 * psi, 2 * psi * 4)}  # DDP's grads are fp32 (the params are)
+    rs = psi * (accum if stage >= 2 else 1)  # stages 2/3 keep no full grad: a reduce-scatter per micro-step
+    ag = psi * (2 * accum if stage == 3 else 1)  # stage 3: forward and backward, every micro-step
+    return {'reduce_scatter': (rs, rs * cfg.reduce_dtype.itemsize), 'all_gather': (ag, ag * cfg.param_dtype.itemsize)}
+
+# -----------------------------------------------------------------------------
+# activations and transients, for "which stage fits"
+
+
+def activation_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes):
+    """[Note: activation estimate] What autograd saves for backward in one micro-batch of `tokens` = B·T tokens,
+    with SDPA attention (no T x T scores kept) and no dropout: per block 17 values per token per channel
+    (ln_1 in 1, c_attn in 1, q k v 3, attention out 1, c_proj in 1, ln_2 in 1, c_fc in 1, GELU in 4, c_proj in 4),
+    plus ln_f and lm_head inputs (2 per channel), plus per vocab entry the logits (compute dtype), their fp32 copy
+    and log-softmax for the loss, and the fp32 grad of the logits that backward starts with (4 + 4 + 4 bytes):
+        tokens * (17 * n_layer * n_embd * a + 2 * n_embd * a + vocab_size * (a + 12)) bytes, a = compute dtype bytes.
+    test_memory.py checks it against the bytes autograd really saves."""
+    a = compute_bytes
+    return tokens * (17 * n_layer * n_embd * a + 2 * n_embd * a + vocab_size * (a + 12))
+
+
+def transient_bytes(stage, cfg, block_numel, root_numel):
+    """Buffers that live only during forward/backward: stage 2/3 one bucket-sized grad buffer in flight
+    ([Note: one grad buffer]); stage 3 the prefetch + 1 gathered blocks and the root unit (kept gathered from
+    its forward to the end of backward)."""
+    if stage < 2:
+        return 0
+    bucket = min(cfg.bucket_mb * 2**20, (block_numel + root_numel) * cfg.reduce_dtype.itemsize)
+    if stage == 2:
+        return bucket
+    grad_buffer = max(block_numel, root_numel) * cfg.reduce_dtype.itemsize
+    return grad_buffer + ((cfg.prefetch + 1) * block_numel + root_numel) * cfg.param_dtype.itemsize
+
+
+def stage_estimates(psi, world, cfg, activations, block_numel, root_numel):
+    """stage -> bytes per rank: model states + transients + activations."""
+    import dataclasses
+    out = {}
+    for stage in (0, 1, 2, 3):
+        c = dataclasses.replace(cfg, stage=stage, precision=type(cfg.precision)()) if stage == 0 else dataclasses.replace(cfg, stage=stage)
+        states = sum(b for _, b in model_states(stage, psi, world, c).values())
+        out[stage] = states + transient_bytes(stage, c, block_numel, root_numel) + activations
+    return out
+
+
+HEADROOM = 0.10  # of the device's memory, for the allocator's fragmentation, the runtime and temporaries
+
+
+def pick_stage(estimates, limit_bytes):
+    """The lowest stage whose estimate fits in (1 - HEADROOM) of the limit, or None; and the one-line reasoning."""
+    budget = (1 - HEADROOM) * limit_bytes
+    fits = [s for s, need in sorted(estimates.items()) if need <= budget]
+    each = ', '.join(f"stage {s} {need / 1e9:.3g}" for s, need in sorted(estimates.items()))
+    pick = fits[0] if fits else None
+    verdict = f"-> stage {pick}, the lowest that fits" if fits else "-> none fits"
+    return pick, (f"zero_stage=auto: per-rank GB (states + transients + activations): {each}; limit "
+                  f"{budget / 1e9:.3g} GB = {1 - HEADROOM:.0%} of {limit_bytes / 1e9:.3g} GB {verdict}")
+
+
+def device_memory_bytes(device, memory_gb=0.0):
+    """What one rank may use: on a GPU what torch.cuda.mem_get_info reports free; on a CPU memory_gb if set,
+    else the machine's RAM divided among the ranks on this machine."""
+    if device.type == 'cuda':
+        return torch.cuda.mem_get_info(device)[0]
+    if memory_gb > 0:
+        return memory_gb * 1e9
+    ram = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    return ram / int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+
+
+def unit_sizes(model, units):
+    """(numel of the largest unit, numel of the root: what no unit holds), trainable params only."""
+    blocks = [sum(p.numel() for p in u.parameters() if p.requires_grad) for u in units]
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return max(blocks, default=0), total - sum(blocks)
+
+# -----------------------------------------------------------------------------
+# the startup table: counted next to estimated
+
+
+def dtype_name(dtype):
+    return '-' if dtype is None else 'uint8+absmax' if dtype == torch.uint8 else str(dtype).replace('torch.', '')
+
+
+def startup_table(engine, world_size):
+    """What this rank holds during a step, per population: dtype, bytes counted from its tensors, and the
+    estimate from model_states (the estimator's own function)."""
+    psi, cfg = engine.psi, engine.cfg
+    estimate = model_states(engine.stage, psi, world_size, cfg)
+    lines = [f"model states per rank, Ψ = {psi:,} trainable params, zero_stage={engine.stage}, N={world_size} "
+             f"(MB = 1e6 bytes, held during a step):",
+             f"  {'population':<11} {'dtype':<13} {'counted':>9} {'estimate':>9}"]
+    counted = engine.populations()
+    for name, (dtype, nbytes) in counted.items():
+        lines.append(f"  {name:<11} {dtype_name(dtype):<13} {nbytes / 1e6:>9.2f} {estimate[name][1] / 1e6:>9.2f}")
+    total, total_estimate = sum(b for _, b in counted.values()), sum(b for _, b in estimate.values())
+    lines.append(f"  {'total':<25} {total / 1e6:>9.2f} {total_estimate / 1e6:>9.2f}   = {total / psi:.2f} bytes/param "
+                 f"(the paper, bf16 + fp32 Adam: DDP 16, ZeRO-3 16/N = {16 / world_size:.2f})")
+    return '\n'.join(lines)
+
+# -----------------------------------------------------------------------------
+# python zero.py estimate
+
+
+def estimate_table(psi, world, cfg, accum, k=12):
+    """Markdown rows: the paper's model, then nanozero as configured, per stage; sizes in GB (1e9 bytes)."""
+    rows = [f"Ψ = {psi:,.0f} params, N = {world} ranks, per rank, GB = 1e9 bytes",
+            f"\nthe ZeRO paper (2Ψ bf16 params + 2Ψ bf16 grads + {k}Ψ optimizer state):\n",
+            "| stage | params | grads | optimizer | total | sent per step |", "|---|---:|---:|---:|---:|---|"]
+    sent_psi = {0: 'all-reduce 2Ψ', 1: 'reduce-scatter Ψ + all-gather Ψ = 2Ψ',
+                2: f'reduce-scatter {accum}Ψ + all-gather Ψ = {accum + 1}Ψ', 3: f'{3 * accum}Ψ (all-gather {2 * accum}Ψ + reduce-scatter {accum}Ψ)'}
+    for stage in range(4):
+        s = paper_states(stage, psi, world, k)
+        rows.append(f"| {stage} | " + ' | '.join(f"{v / 1e9:.6g}" for v in (*s.values(), sum(s.values())))
+                    + f" | {sent_psi[stage]} |")
+    import dataclasses
+    rows += [f"\nnanozero as configured (params {dtype_name(cfg.param_dtype)}, reduce {dtype_name(cfg.reduce_dtype)}, "
+             f"master_weights={cfg.precision.master_weights}, state_dtype={cfg.precision.state_dtype}; stage 0 is "
+             f"torch DDP + AdamW on fp32 params):\n",
+             "| stage | params | grads | master | exp_avg | exp_avg_sq | total | sent per step, GB |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for stage in range(4):
+        c = dataclasses.replace(cfg, stage=stage, precision=type(cfg.precision)()) if stage == 0 else dataclasses.replace(cfg, stage=stage)
+        s = model_states(stage, psi, world, c)
+        cells = [f"{s[name][1] / 1e9:.4g} {dtype_name(s[name][0])}" if name in s else '-'
+                 for name in ('params', 'grads', 'master', 'exp_avg', 'exp_avg_sq')]
+        sent = ', '.join(f"{kind} {nbytes / 1e9:.4g}" for kind, (_, nbytes) in communication(stage, psi, accum, c).items())
+        rows.append(f"| {stage} | " + ' | '.join(cells) + f" | {sum(b for _, b in s.values()) / 1e9:.4g} | {sent} |")
+    return '\n'.join(rows)
+
+
+def main(argv):
+    import train
+    from model import GPT, GPTConfig
+    parser = argparse.ArgumentParser(prog='python zero.py estimate', description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('command', choices=['estimate'])
+    parser.add_argument('--params', type=float, help="Ψ, trainable params, e.g. 70e9 (or give --config)")
+    parser.add_argument('--config', help="a train.py config file: Ψ from its GPT, dtypes and batch from its keys")
+    parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE', help="override a config key")
+    parser.add_argument('--world', type=int, required=True, help="number of data-parallel ranks N")
+    parser.add_argument('--gpu_gb', type=float, help="memory per rank, GB: also print which stage fits")
+    parser.add_argument('--k', type=int, default=12, help="the paper's K: optimizer bytes per param")
+    args = parser.parse_args(argv)
+    if (args.params is None) == (args.config is None):
+        parser.error("give exactly one of --params and --config")
+    cfg = train.parse_config(([args.config] if args.config else []) + [f'--{kv}' for kv in args.set],
+                             defaults={**train.DEFAULTS, 'dtype': 'bfloat16'})  # the GPU default
+    zcfg = train.zero_config(cfg) if cfg['zero_stage'] != 'auto' else train.zero_config({**cfg, 'zero_stage': 1})
+    accum = max(1, cfg['gradient_accumulation_steps'] // args.world)
+    psi, activations, block, root = args.params, None, 0, 0
+    if args.config:
+        with torch.device('meta'):
+            model = GPT(GPTConfig(**train.model_args(cfg, train.vocab_size(cfg))))
+        psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        block, root = unit_sizes(model, model.transformer.h)
+        activations = activation_bytes(cfg['n_layer'], cfg['n_embd'], model.config.vocab_size,
+                                       cfg['batch_size'] * cfg['block_size'], zcfg.param_dtype.itemsize)
+    print(estimate_table(psi, args.world, zcfg, accum, args.k))
+    if args.gpu_gb:
+        if activations is None:
+            print("\n(activations and transient buffers need the model's shape: give --config to pick a stage)")
+        else:
+            stage, line = pick_stage(stage_estimates(psi, args.world, zcfg, activations, block, root), args.gpu_gb * 1e9)
+            print(f"\nactivations of one micro-batch ({cfg['batch_size']} x {cfg['block_size']} tokens): "
+                  f"{activations / 1e9:.3g} GB\n{line}")
