@@ -18,7 +18,6 @@ profiler there). On GPUs, one per rank, NCCL, bf16 compute, GPT-2 124M (its conf
 """
 import argparse
 import dataclasses
-import os
 import resource
 import sys
 import time
@@ -84,9 +83,7 @@ class TorchEngine:
 
 
 def build(kind, cfg, device):
-    torch.manual_seed(cfg['seed'])  # every kind starts from the same weights
-    shape = {key: cfg[key] for key in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'dropout')}
-    model = GPT(GPTConfig(vocab_size=50304, **shape)).to(device)
+    model = GPT(GPTConfig(**train.model_args(cfg, train.vocab_size(cfg))), seed=cfg['seed']).to(device)  # the same weights
     zcfg = train.zero_config(cfg)
     if kind == 'ddp' or kind.startswith('zero'):
         stage = 0 if kind == 'ddp' else int(kind[-1])
@@ -197,18 +194,13 @@ def bench_zero(args):
     kinds = args.kinds.split(',')
     if set(kinds) - set(KINDS):
         raise ValueError(f"unknown kinds {sorted(set(kinds) - set(KINDS))}: choose from {','.join(KINDS)}")
-    data_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', cfg['dataset'])
-    if rank == 0 and not os.path.exists(os.path.join(data_dir, 'train.bin')):
-        from data.shakespeare.prepare import prepare  # the others wait at the barrier below
-        prepare(data_dir)
-    dist.barrier()
-    data = train.load_split(data_dir, 'train')
-    generator = torch.Generator().manual_seed(cfg['seed'] + rank)  # each rank its own batches, every kind the same
-    accum = cfg['gradient_accumulation_steps'] // world_size  # micro-steps per rank per step
+    train.prepare_data(cfg, rank)
+    data = train.load_split(train.data_dir(cfg), 'train')
+    drawn = [0]  # iterations drawn so far: every kind trains on the same batches
 
     def draw(n):
-        return [[train.get_batch(data, cfg['batch_size'], cfg['block_size'], generator, device) for _ in range(accum)]
-                for _ in range(n)]
+        drawn[0] += n
+        return [train.train_batches(data, i, cfg, rank, world_size, device) for i in range(drawn[0] - n, drawn[0])]
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
     sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
     lr, clock = cfg['learning_rate'], CommClock()

@@ -311,8 +311,8 @@ def rebuild(engine, b, shards):
 
 def load_stage0(engine, shards, manifest):
     names = {p: n for n, p in engine.model.named_parameters()}
-    state = {}
-    for i, p in enumerate(engine.params):
+    state = {}  # torch numbers the params in param-group order
+    for i, p in enumerate(p for group in engine.optimizer.param_groups for p in group['params']):
         read = [shards.read(names[p], pop, 0, p.numel()).view(p.shape) for pop in POPULATIONS]
         p.data.copy_(read[0])
         state[i] = {'step': torch.tensor(float(manifest['step_count'])), 'exp_avg': read[1], 'exp_avg_sq': read[2]}

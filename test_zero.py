@@ -15,9 +15,6 @@ import datetime
 import functools
 import math
 import os
-import re
-import subprocess
-import sys
 import tempfile
 from contextlib import nullcontext
 
@@ -26,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import checkpoint
+import memory
 import train
 import zero
 from model import GPT, GPTConfig, peak_flops
@@ -54,6 +53,7 @@ def _rank_main(rank, world_size, init_file, out_dir, jobs):
 def run_ranks(world_size, jobs):
     """Run jobs (dicts of run_job's keyword arguments) on world_size fresh gloo ranks; per job, rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
+        os.environ['NANOZERO_TEST_TMP'] = tmp  # the spawned ranks inherit it: where their checkpoints go
         mp.spawn(_rank_main, args=(world_size, os.path.join(tmp, 'init'), tmp, jobs), nprocs=world_size)
         return torch.load(os.path.join(tmp, 'rank0.pt'), weights_only=False)
 
@@ -95,23 +95,38 @@ def make_engine(kind, model, grad_clip, param_dtype=torch.float32, **zero_kw):
         return TorchEngine(model, model, grad_clip)
     stage = {'ddp': 0, 'zero1': 1, 'zero2': 2, 'zero3': 3}[kind]
     cfg = zero.ZeroConfig(stage=stage, param_dtype=param_dtype, grad_clip=grad_clip, **zero_kw)
-    return zero.build_engine(model, cfg, units=list(model.transformer.h))
+    return zero.build_engine(model, cfg, units=list(model.transformer.h), device=torch.device('cpu'))
 
 
-def tiny_model(rank, model_kw=None, frozen_and_unused=False, mismatch=False):
+def tiny_model(rank, model_kw=None, frozen_and_unused=False, mismatch=False, meta=False):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**TINY, **(model_kw or {}), **({'n_layer': 2} if mismatch and rank == 1 else {})}))
+    with torch.device('meta' if meta else 'cpu'):
+        model = GPT(GPTConfig(**{**TINY, **(model_kw or {}), **({'n_layer': 2} if mismatch and rank == 1 else {})}))
     if frozen_and_unused:
         model.transformer.h[0].attn.c_proj.weight.requires_grad_(False)
         model.transformer.h[1].mlp.unused = torch.nn.Parameter(torch.randn(5))  # never gets a grad
     return model
 
 
+def full_params(engine, model):
+    """The model's state dict in fp32, trainable params gathered from every rank's masters (exact)."""
+    if not hasattr(engine, 'buckets'):
+        return {n: (p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().float().clone()
+                for n, p in model.state_dict().items()}
+    full = {}
+    for b in engine.buckets:
+        flat = torch.empty(b.padded_numel)
+        dist.all_gather_into_tensor(flat, engine.master_values(b).contiguous())
+        full.update({p: view.clone() for p, view in b.views(flat)})
+    return {n: full[p] if p in full else p.detach().float().clone() for n, p in model.state_dict(keep_vars=True).items()}
+
+
 def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume_at=None, model_kw=None,
-            frozen_and_unused=False, mismatch=False, wrong_checkpoint=False, **zero_kw):
+            frozen_and_unused=False, mismatch=False, meta=False, **zero_kw):
     """Train TINY for `steps` steps; accum is the global number of micro-batches per step. Returns
-    dict(losses, norms, params, engine info) as seen by this rank."""
-    model = tiny_model(rank, model_kw, frozen_and_unused, mismatch)
+    dict(losses, norms, params, engine info) as seen by this rank. resume_at: save a checkpoint there and
+    continue from it in a new model and engine (meta=True: built on the meta device, as train.py does)."""
+    model = tiny_model(rank, model_kw, frozen_and_unused, mismatch, meta)
     engine = make_engine(kind, model, grad_clip, **zero_kw)
     resident = []  # zero3: block units holding unsharded storage, sampled as each block's forward starts
     if kind == 'zero3':
@@ -119,18 +134,16 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
         for u in blocks:
             u.module.register_forward_pre_hook(
                 lambda *_: resident.append(sum(b.unsharded_param.untyped_storage().nbytes() > 0 for b in blocks)))
-    if wrong_checkpoint:  # optimizer shards of a 2-layer model into a 3-layer one
-        engine.load_state_dict(make_engine(kind, tiny_model(rank, {'n_layer': 2}), grad_clip, **zero_kw).state_dict())
     data = torch.Generator().manual_seed(1234)
     losses, norms = [], []
     local = accum // world_size
     for step in range(steps):
         if step == resume_at:  # checkpoint round trip: a new model and engine from the saved state
-            full, state = engine.full_state_dict(), engine.state_dict()
-            model = tiny_model(rank, model_kw, frozen_and_unused)
-            model.load_state_dict(full)
+            out_dir = os.path.join(os.environ['NANOZERO_TEST_TMP'], f'{kind}-{world_size}')
+            path = checkpoint.save(engine, dict(out_dir=out_dir, keep_last=1), TINY, step, 0.0, log=lambda *a: None)
+            model = tiny_model(rank, model_kw, frozen_and_unused, meta=True)
             engine = make_engine(kind, model, grad_clip, **zero_kw)
-            engine.load_state_dict(state)
+            checkpoint.load(engine, path, checkpoint.read_manifest(path), log=lambda *a: None)
         x = torch.randint(TINY['vocab_size'], (accum, B, T + 1), generator=data)  # the global batch
         mine = x[rank * local:(rank + 1) * local]  # this rank's micro-batches
         loss, norm = train.train_step(engine, [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in mine], LR, nullcontext())
@@ -138,16 +151,13 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
         dist.all_reduce(loss)
         losses.append(loss.item() / world_size)
         norms.append(norm)
-    if isinstance(engine, TorchEngine):
-        params = {n: (p.full_tensor() if hasattr(p, 'full_tensor') else p).detach().clone() for n, p in model.state_dict().items()}
-    else:
-        params = engine.full_state_dict()
+    params = full_params(engine, model)
     info = {}
     if kind == 'ddp' or kind.startswith('zero'):
         info = dict(populations=engine.populations(), psi=engine.psi, comm=dict(engine.comm.numel),
-                    report=zero.memory_report(engine, world_size))
+                    report=memory.startup_table(engine, world_size))
     if kind.startswith('zero'):
-        info.update(shard_numel=engine.master_shard.numel(), padded=sum(b.padded_numel for b in engine.buckets),
+        info.update(shard_numel=engine.shard_numel, padded=engine.flat_numel,
                     peak_grad_buffers=engine.peak_grad_buffers, n_buckets=len(engine.buckets))
         if kind == 'zero3':
             info.update(peak_live=engine.units[0].schedule.peak_live, root_padded=engine.buckets[-1].padded_numel,
@@ -156,13 +166,15 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
     return dict(losses=losses, norms=norms, params=params, **info)
 
 
-def assert_same_run(a, b, rtol=1e-5, atol=1e-6):
-    """Step-by-step losses, pre-clip grad norms, and every final parameter."""
+def assert_same_run(a, b, rtol=1e-5, atol=1e-6, param_atol=2e-6):
+    """Step-by-step losses, pre-clip grad norms, and every final parameter. Params get 2e-6 absolute: on one
+    element (h.0.mlp.c_proj.weight[17, 113], 2 ranks, 2 micro-steps) torch's DDP and FSDP2 themselves end
+    1.19e-6 apart, Adam's magnification of a different summation order of the same grads."""
     torch.testing.assert_close(torch.tensor(a['losses']), torch.tensor(b['losses']), rtol=rtol, atol=atol)
     torch.testing.assert_close(torch.tensor(a['norms']), torch.tensor(b['norms']), rtol=rtol, atol=atol)
     assert a['params'].keys() == b['params'].keys()
     for name in a['params']:
-        torch.testing.assert_close(a['params'][name], b['params'][name], rtol=rtol, atol=atol, msg=name)
+        torch.testing.assert_close(a['params'][name], b['params'][name], rtol=rtol, atol=max(atol, param_atol) if atol else 0, msg=name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -230,62 +242,6 @@ def test_peak_flops_by_gpu_name(monkeypatch, name, flops):
     assert peak_flops(torch.device('cpu')) is None
 
 # -----------------------------------------------------------------------------
-# the config
-
-
-def test_config_file_and_override_are_applied_and_type_checked(tmp_path):
-    cfg_file = tmp_path / 'c.py'
-    cfg_file.write_text("n_layer = 2\nlearning_rate = 1e-3\n")
-    cfg = train.parse_config([str(cfg_file), '--n_layer=3', '--dataset=foo', '--bias=True', '--grad_clip=2'])
-    assert (cfg['n_layer'], cfg['learning_rate'], cfg['dataset'], cfg['bias'], cfg['grad_clip']) == (3, 1e-3, 'foo', True, 2.0)
-    with pytest.raises(TypeError, match='n_layer takes a int'):
-        train.parse_config(['--n_layer=2.5'])
-
-
-def test_unknown_config_key_is_an_error_naming_the_closest_keys(tmp_path):
-    with pytest.raises(ValueError, match="unknown config key 'n_layers'.*n_layer"):
-        train.parse_config(['--n_layers=2'])
-    bad = tmp_path / 'bad.py'
-    bad.write_text("learning_rat = 1.0\n")
-    with pytest.raises(ValueError, match="learning_rat.*learning_rate"):
-        train.parse_config([str(bad)])
-    out = subprocess.run([sys.executable, 'train.py', '--no_such_key=1'], capture_output=True, text=True)
-    assert out.returncode != 0 and "no_such_key" in out.stderr
-
-
-@pytest.mark.parametrize('override, message', [
-    ('--zero_stage=4', 'zero_stage=4 is not a ZeRO stage'), ('--bucket_mb=0.0', 'bucket_mb=0.0 must be > 0'),
-    ('--prefetch=-1', 'prefetch=-1'), ('--gradient_accumulation_steps=3', 'divisible by the 2 ranks')])
-def test_impossible_settings_are_clear_errors(override, message):
-    cfg = train.parse_config([override])
-    with pytest.raises(ValueError, match=message):
-        train.check_config(cfg, world_size=2)
-
-
-def test_lr_schedule_warms_up_then_decays_to_min_lr():
-    cfg = dict(decay_lr=True, learning_rate=1.0, warmup_iters=10, lr_decay_iters=100, min_lr=0.1)
-    lrs = [train.get_lr(it, cfg) for it in range(120)]
-    assert lrs[0] < lrs[9] < lrs[10] == pytest.approx(1.0, abs=0.01)
-    assert lrs[55] == pytest.approx(0.55, abs=0.01) and lrs[100] == pytest.approx(0.1) and lrs[119] == 0.1
-
-# -----------------------------------------------------------------------------
-# the data
-
-
-def test_prepare_tokenizes_a_users_text_with_gpt2_bpe(tmp_path):
-    from data.shakespeare.prepare import gpt2_encoding, prepare
-    enc = gpt2_encoding()
-    assert enc.encode_ordinary('Hello world') == [15496, 995]  # GPT-2's ids
-    text = tmp_path / 'mine.txt'
-    text.write_text('To be, or not to be, that is the question.\n' * 50)
-    meta = prepare(str(tmp_path / 'out'), str(text))
-    train_ids = train.load_split(str(tmp_path / 'out'), 'train')
-    val_ids = train.load_split(str(tmp_path / 'out'), 'val')
-    assert len(train_ids) == meta['train_tokens'] and len(val_ids) == meta['val_tokens'] > 0
-    assert 8 * len(val_ids) < len(train_ids) < 10 * len(val_ids)  # a 90/10 split
-    assert enc.decode(train_ids[:14].tolist()) == 'To be, or not to be, that is the question.\n'
-
-# -----------------------------------------------------------------------------
 # data parallelism against the oracles
 
 
@@ -349,8 +305,9 @@ def test_bytes_each_rank_holds_match_the_formula(stage):
     assert shard * 3 == padded and psi <= padded < psi + 3 * zero.ALIGN * r['n_buckets']  # pads < W * ALIGN a bucket
     assert shard % zero.ALIGN == 0
     pops = {k: nbytes for k, (dtype, nbytes) in r['populations'].items()}
-    for name in ('master', 'exp_avg', 'exp_avg_sq'):
-        assert pops[name] == 4 * shard and r['populations'][name][0] == torch.float32  # 12Ψ/N in all
+    for name in ('exp_avg', 'exp_avg_sq'):
+        assert pops[name] == 4 * shard and r['populations'][name][0] == torch.float32  # 8Ψ/N in all
+    assert pops['master'] == 0 and r['populations']['master'][0] is None  # fp32 compute: the params are the masters
     assert pops['params'] == 4 * (shard if stage == 3 else padded)  # fp32 compute params in this test
     assert pops['grads'] == 4 * shard + (4 * padded if stage == 1 else 0)
 
@@ -383,8 +340,9 @@ def test_stages_2_and_3_keep_one_bucket_sized_grad_buffer_alive():
 
 def test_memory_report_shows_the_dtype_of_every_population():
     r = get(2, kind='zero3', accum=2)
-    for population in ('params', 'grads', 'master', 'exp_avg', 'exp_avg_sq'):
+    for population in ('params', 'grads', 'exp_avg', 'exp_avg_sq'):
         assert any(line.split()[:2] == [population, 'float32'] for line in r['report'].splitlines())
+    assert any(line.split()[:2] == ['master', '-'] for line in r['report'].splitlines())  # the fp32 params are the masters
     bf16 = run_ranks(1, [dict(kind='zero2', accum=1, steps=1, param_dtype=torch.bfloat16)])[0]
     assert bf16['populations']['params'][0] == torch.bfloat16 and bf16['populations']['master'][0] == torch.float32
     assert 'params      bfloat16' in bf16['report'] and 'master      float32' in bf16['report']
@@ -426,53 +384,7 @@ def test_checkpoint_round_trip_continues_bit_identically():
     assert_same_run(z3_resumed, z3, rtol=0, atol=0)
 
 
-def test_optimizer_shard_from_another_layout_is_rejected():
-    r = run_ranks(2, [dict(kind='zero2', steps=0, wrong_checkpoint=True)])[0]
-    assert isinstance(r, ValueError) and 'another layout' in str(r)
-
-
 def test_fused_cpu_kernel_trains_like_the_reference():
     ref, fused = run_ranks(2, [dict(kind='zero2', accum=4, optimizer_impl=impl) for impl in ('reference', 'cpu')])
     assert_same_run(fused, ref)
 
-# -----------------------------------------------------------------------------
-# train.py end to end
-
-
-def torchrun(nproc, *args):
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}', 'train.py',
-           'config/shakespeare_cpu.py', '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2',
-           '--eval_iters=2', '--log_interval=1', *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
-
-
-@pytest.mark.parametrize('stage', [0, 3])
-def test_train_py_logs_nanogpt_lines_saves_and_resumes(tmp_path, stage):
-    common = [f'--out_dir={tmp_path}', f'--zero_stage={stage}', '--eval_interval=3', '--always_save_checkpoint=True']
-    first = torchrun(2, *common, '--max_iters=3')
-    assert 'step 0: train loss ' in first and 'iter 3: loss ' in first and ', sent ' in first
-    assert 'master      float32' in first or stage == 0
-    resumed = torchrun(2, *common, '--max_iters=5', '--init_from=resume')
-    assert 'step 3: train loss ' in resumed and 'iter 5: loss ' in resumed and 'iter 1:' not in resumed
-    wrong = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=1',
-                            'train.py', f'--out_dir={tmp_path}', '--init_from=resume', f'--zero_stage={stage}'],
-                           capture_output=True, text=True, timeout=300)
-    assert wrong.returncode != 0 and 'resume with the same' in wrong.stderr
-
-
-def test_bench_zero_runs_every_kind_from_the_same_first_step():
-    # the benchmark is a claim too: it must run all six kinds, and with the same weights and batches their
-    # first step must agree (fp32), or the ratios compare different work
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'bench.py', 'zero',
-           '--rounds=1'] + [f'--set={kv}' for kv in ('n_layer=2', 'n_head=2', 'n_embd=32', 'block_size=16', 'batch_size=2')]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split('|')[1].strip() for line in out.stdout.splitlines() if line.startswith('| ') and 'kind' not in line]
-    assert rows == ['ddp', 'ddp+zero_redundancy', 'zero1', 'zero2', 'zero3', 'fsdp2']
-    first = re.search(r'first step.*loss ([\d.]+) \(spread (\S+)\), grad norm ([\d.]+) \(spread (\S+)\)', out.stdout)
-    loss, loss_spread, norm, norm_spread = map(float, first.groups())
-    # the norms differ by ~1e-5 relative because torch's clip_grad_norm_ does: on this model (vocab 50304) it is
-    # ~6e-6 off the float64 norm, where one fp32 sum over the flat shards (ours) is ~1e-7 off
-    assert loss_spread <= 1e-6 * loss and norm_spread < 1e-4 * norm, out.stdout[:600]

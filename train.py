@@ -234,6 +234,13 @@ def evaluate(engine, eval_sets, autocast, rank, world_size):
 # wiring
 
 
+def prepare_data(cfg, rank):
+    """Shakespeare (GPT-2 tokens or characters) is prepared on first use, by rank 0; the others wait."""
+    if rank == 0 and cfg['dataset'] in PREPARED_ON_FIRST_USE and not os.path.exists(os.path.join(data_dir(cfg), 'val.bin')):
+        __import__(f"data.{cfg['dataset']}.prepare", fromlist=['prepare']).prepare(data_dir(cfg))
+    dist.barrier()
+
+
 def setup_distributed(cfg):
     """Under torchrun: one process per rank, its device, its backend. Without torchrun: world size 1
     (a 1-rank gloo/nccl process group, so every stage runs the same code)."""
@@ -312,10 +319,7 @@ def main(cfg):
     device, rank, world_size = setup_distributed(cfg)
     master_process = rank == 0
     log = print if master_process else (lambda *a, **k: None)
-    if cfg['dataset'] in PREPARED_ON_FIRST_USE and not os.path.exists(os.path.join(data_dir(cfg), 'val.bin')):
-        if master_process:  # the others wait at the barrier below
-            __import__(f"data.{cfg['dataset']}.prepare", fromlist=['prepare']).prepare(data_dir(cfg))
-    dist.barrier()
+    prepare_data(cfg, rank)
     args = model_args(cfg, vocab_size(cfg))
     resume = checkpoint.find_resume(cfg, args)  # None, or (path, manifest): errors before any training step
     if cfg['zero_stage'] == 'auto':

@@ -246,7 +246,7 @@ class DataParallel:
 
     def populations(self):
         n = self.psi * 4  # fp32 params, grads (in DDP's buckets), exp_avg, exp_avg_sq
-        return {k: ('float32', n) for k in ('params', 'grads', 'exp_avg', 'exp_avg_sq')}
+        return {k: (torch.float32, n) for k in ('params', 'grads', 'exp_avg', 'exp_avg_sq')}
 
 # -----------------------------------------------------------------------------
 # Stage 1: shard the optimizer state
@@ -527,20 +527,23 @@ class Zero1:
     # --- what each rank holds (memory.py turns it into the startup table)
 
     def populations(self):
-        """population -> (dtype, bytes this rank holds during a step), counted from the tensors this object
-        owns; the grads, which live only from a step's first grad to its end, from their sizes."""
+        """population -> (dtype, or None where not held; bytes this rank holds during a step), counted from the
+        tensors this object owns; the grads, which live from a step's first grad to its end, from their sizes."""
         grads = self.shard_numel * 4 + (self.flat_numel * self.cfg.reduce_dtype.itemsize if self.stage == 1 else 0)
-        params, reduce = self.param_bytes(), str(self.cfg.reduce_dtype)[6:]
-        pops = {'params': (str(self.cfg.param_dtype)[6:] if params else '(the masters)', params),
-                'grads': ('float32' if self.stage > 1 else f'{reduce}+fp32', grads)}
-        for name, t in (('master', self.master), ('exp_avg', self.exp_avg), ('exp_avg_sq', self.exp_avg_sq)):
-            extra = self.absmax[name == 'exp_avg_sq'] if name != 'master' and t.dtype == torch.uint8 else None
-            nbytes = sum(x.numel() * x.element_size() for x in (t, extra) if x is not None)
-            pops[name] = (self.precision.label(name, self.cfg.param_dtype), nbytes)
+        params = self.param_tensor()
+        pops = {'params': (getattr(params, 'dtype', None), nbytes(params)),
+                'grads': (self.cfg.reduce_dtype if self.stage == 1 else torch.float32, grads),
+                'master': (getattr(self.master, 'dtype', None), nbytes(self.master))}
+        for k, name in enumerate(('exp_avg', 'exp_avg_sq')):
+            pops[name] = (getattr(self, name).dtype, nbytes(getattr(self, name)) + nbytes(self.absmax and self.absmax[k]))
         return pops
 
-    def param_bytes(self):
-        return self.flat_param.numel() * self.flat_param.element_size()
+    def param_tensor(self):
+        return self.flat_param
+
+
+def nbytes(tensor):
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 # -----------------------------------------------------------------------------
 # Stage 2: ... and shard the grads
@@ -605,8 +608,8 @@ class Zero3(Zero2):
     def param_shard(self, b):
         return None if self.param_shards is None else self.param_shards[b.shard_slice]
 
-    def param_bytes(self):
-        return 0 if self.param_shards is None else self.param_shards.numel() * self.param_shards.element_size()
+    def param_tensor(self):
+        return self.param_shards
 
     def launched(self, b):
         self.units[b.index].post_backward()  # the unit's grads are all in its bucket: its params can go
