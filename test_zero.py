@@ -11,6 +11,7 @@ Tolerances: two correct fp32 implementations agree to ~1e-7 relative here (only 
 additions differs); every tolerance below is ~100x that, and the deliberate bugs listed in the README's
 "How we know the tests bite" change these numbers by 1e-3 or more.
 """
+import contextlib
 import datetime
 import functools
 import math
@@ -122,12 +123,18 @@ def full_params(engine, model):
 
 
 def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume_at=None, model_kw=None,
-            frozen_and_unused=False, mismatch=False, meta=False, **zero_kw):
+            frozen_and_unused=False, mismatch=False, meta=False, compile=False, trace=False, inf_at=None, **zero_kw):
     """Train TINY for `steps` steps; accum is the global number of micro-batches per step. Returns
     dict(losses, norms, params, engine info) as seen by this rank. resume_at: save a checkpoint there and
-    continue from it in a new model and engine (meta=True: built on the meta device, as train.py does)."""
+    continue from it in a new model and engine (meta=True: built on the meta device, as train.py does).
+    compile: torch.compile each block (stage 3); trace: record the last step's all-gather events (stage 3);
+    inf_at: at that step rank world_size - 1 gets an inf grad, and every rank checks the step was skipped."""
     model = tiny_model(rank, model_kw, frozen_and_unused, mismatch, meta)
     engine = make_engine(kind, model, grad_clip, **zero_kw)
+    if compile:
+        for block in model.transformer.h:
+            block.forward = torch.compile(block.forward)
+    events = record_unit_events(engine) if trace else None
     resident = []  # zero3: block units holding unsharded storage, sampled as each block's forward starts
     if kind == 'zero3':
         blocks = [u for u in engine.units if not u.is_root]
@@ -146,15 +153,22 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
             checkpoint.load(engine, path, checkpoint.read_manifest(path), log=lambda *a: None)
         x = torch.randint(TINY['vocab_size'], (accum, B, T + 1), generator=data)  # the global batch
         mine = x[rank * local:(rank + 1) * local]  # this rank's micro-batches
-        loss, norm = train.train_step(engine, [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in mine], LR, nullcontext())
+        if events is not None:
+            events.clear()
+        with inject_inf(engine, model, rank == world_size - 1) if step == inf_at else nullcontext():
+            loss, norm = train.train_step(engine, [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in mine], LR, nullcontext())
+        if step == 0 and compile:
+            graphs = torch._dynamo.utils.counters['stats']['unique_graphs']
         loss = loss.reshape(1)
         dist.all_reduce(loss)
         losses.append(loss.item() / world_size)
         norms.append(norm)
     params = full_params(engine, model)
-    info = {}
+    info = dict(events=events) if trace else {}
+    if compile:
+        info.update(graphs_after_first_step=graphs, graphs=torch._dynamo.utils.counters['stats']['unique_graphs'])
     if kind == 'ddp' or kind.startswith('zero'):
-        info = dict(populations=engine.populations(), psi=engine.psi, comm=dict(engine.comm.numel),
+        info.update(populations=engine.populations(), psi=engine.psi, comm=dict(engine.comm.numel),
                     report=memory.startup_table(engine, world_size))
     if kind.startswith('zero'):
         info.update(shard_numel=engine.shard_numel, padded=engine.flat_numel,
@@ -164,6 +178,45 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
                         peak_resident=max(resident, default=0),
                         resident_after=sum(u.unsharded_param.untyped_storage().nbytes() for u in engine.units))
     return dict(losses=losses, norms=norms, params=params, **info)
+
+
+def record_unit_events(engine):
+    """[(event, unit index)] in the order they happen: 'gather' when a unit's all-gather is launched, 'wait'
+    when the wait on it returns, 'forward' as its forward computation starts, 'backward' as its backward
+    computation starts (its pre-backward hook has returned)."""
+    events = []
+    gather = engine.comm.all_gather
+    engine.comm.all_gather = lambda out, inp, async_op=False, name='': (
+        events.append(('gather', int(name.split()[-1]))), gather(out, inp, async_op, name))[1]
+    for unit in engine.units:
+        def wrap(method, event, index=unit.bucket.index):
+            return lambda *args: (method(*args), events.append((event, index)))[0]
+        unit.wait_for_unshard = wrap(unit.wait_for_unshard, 'wait')
+        unit._pre_backward = wrap(unit._pre_backward, 'backward')  # registered anew at every forward
+        unit.module.register_forward_pre_hook(lambda *_, i=unit.bucket.index: events.append(('forward', i)))
+    return events
+
+
+@contextlib.contextmanager
+def inject_inf(engine, model, on_this_rank):
+    """An inf in one grad element on one rank; every rank checks that the step changes no state of its own."""
+    before = snapshot(engine)
+    hook = model.transformer.h[0].mlp.c_fc.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float('inf')))
+    if not on_this_rank:
+        hook.remove()
+    yield
+    hook.remove()
+    after = snapshot(engine)
+    for name in before:
+        assert torch.equal(before[name], after[name]), f"a skipped step changed {name}"
+
+
+def snapshot(engine):
+    if not hasattr(engine, 'buckets'):
+        return {'params': torch.cat([p.detach().flatten().clone() for p in engine.params])}
+    return {'masters': torch.cat([engine.master_values(b).clone() for b in engine.buckets]),
+            'exp_avg': engine.exp_avg.clone(), 'exp_avg_sq': engine.exp_avg_sq.clone(),
+            'step_count': torch.tensor(engine.step_count)}
 
 
 def assert_same_run(a, b, rtol=1e-5, atol=1e-6, param_atol=2e-6):
@@ -285,6 +338,48 @@ def test_zero3_prefetch_depth_and_reshard_after_forward_do_not_change_numbers(wo
             if reshard:
                 assert other['peak_live'] <= prefetch + 1  # unsharded block units at once
     assert base['peak_live'] <= 2
+
+
+@pytest.mark.parametrize('prefetch', [1, 2])
+def test_zero3_prefetch_launches_the_next_units_all_gathers_before_computing_and_before_waiting(prefetch):
+    """With prefetch depth d: in forward, the all-gathers of the next d units are launched before unit i's
+    computation starts and before the wait on unit i's own all-gather; in backward, the mirror."""
+    events = run_ranks(2, [dict(kind='zero3', accum=4, prefetch=prefetch, trace=True)])[0]['events']  # the last step's
+    root = TINY['n_layer']  # the last bucket: the root unit
+    order = [i for e, i in events if e == 'forward' and i != root][:TINY['n_layer']]  # the first micro-step's blocks
+    for phase, units in (('forward', order), ('backward', order[::-1])):
+        for k, unit in enumerate(units):
+            compute = events.index((phase, unit))
+            wait = max(j for j, e in enumerate(events[:compute]) if e == ('wait', unit))
+            for ahead in units[k + 1:k + 1 + prefetch]:
+                launched = [j for j, e in enumerate(events[:compute]) if e == ('gather', ahead)]
+                assert launched and launched[-1] < wait, (phase, unit, ahead)
+
+
+def test_zero3_compiled_blocks_equal_eager_and_do_not_recompile():
+    eager, compiled = run_ranks(2, [dict(kind='zero3', accum=4, compile=c) for c in (False, True)])
+    assert_same_run(compiled, eager, rtol=1e-4, atol=1e-6)
+    assert compiled['graphs_after_first_step'] == compiled['graphs'] == 1  # one graph serves every block and step
+
+
+def test_meta_device_init_equals_a_plain_model_bit_for_bit():
+    """Stage 3 never builds the whole model: each unit is materialized from model.init_param straight into its
+    shard. The values are those of a plain single-process GPT(config): the oracles start from the same point."""
+    plain = {n: p.detach() for n, p in tiny_model(0).state_dict().items()}
+    for world_size in (1, 3):  # 3: every unit padded
+        for kind in ('zero1', 'zero3'):
+            got = run_ranks(world_size, [dict(kind=kind, steps=0, meta=True)])[0]['params']
+            assert got.keys() == plain.keys()
+            for name in plain:
+                assert torch.equal(got[name], plain[name]), name
+
+
+@pytest.mark.parametrize('kind', ['ddp', 'zero1', 'zero2', 'zero3'])
+def test_a_non_finite_grad_on_one_rank_skips_the_step_on_every_rank(kind):
+    # inside the ranks: masters, moments and step count unchanged on every rank by the step with the inf
+    r = run_ranks(2, [dict(kind=kind, accum=4, inf_at=2)])[0]
+    assert not isinstance(r, Exception), r
+    assert not math.isfinite(r['norms'][2]) and all(math.isfinite(n) for i, n in enumerate(r['norms']) if i != 2)
 
 
 @pytest.mark.parametrize('world_size', [2, 3])

@@ -239,8 +239,9 @@ class DataParallel:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip).item()
         for group in self.optimizer.param_groups:
             group['lr'] = lr
-        self.scaler.step(self.optimizer)  # skipped if the grads hold inf/nan
-        self.scaler.update()
+        if math.isfinite(grad_norm):  # as in ZeRO: every rank sees the same norm and skips the same step
+            self.scaler.step(self.optimizer)
+        self.scaler.update()  # fp16: halves the scale after an overflow
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
