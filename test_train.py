@@ -110,3 +110,20 @@ def test_bench_zero_runs_every_kind_from_the_same_first_step():
     # the norms differ by ~1e-5 relative because torch's clip_grad_norm_ does: on this model (vocab 50304) it is
     # ~6e-6 off the float64 norm, where one fp32 sum over the flat shards (ours) is ~1e-7 off
     assert loss_spread <= 1e-6 * loss and norm_spread < 1e-4 * norm, out.stdout[:600]
+
+
+@pytest.mark.parametrize('args, message', [
+    (['config/does_not_exist.py'], "config error: config file config/does_not_exist.py not found; the configs are: "
+                                   "config/gpt2_124m.py config/shakespeare_char.py config/shakespeare_cpu.py"),
+    (['--batch_size=abc'], "config error: --batch_size='abc': batch_size takes an int (default 8)"),
+    (['--dataset=nope'], "config error: dataset='nope': data/nope/train.bin and val.bin not found; prepare them with "
+                         "python data/shakespeare/prepare.py --input=YOUR.txt --out_dir=data/nope")])
+@pytest.mark.parametrize('launcher', ['python', 'torchrun'])
+def test_a_users_mistake_is_one_clean_line_before_anything_starts(args, message, launcher):
+    prefix = [sys.executable] if launcher == 'python' else [sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                                                          '--nproc_per_node=2']
+    out = subprocess.run(prefix + ['train.py', *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 if launcher == 'python' else out.returncode != 0
+    ours = [line for line in out.stderr.splitlines() if 'config error' in line]
+    assert len(ours) == 1 and ours[0].startswith(message), out.stderr[-2000:]  # once: rank 0 only
+    assert 'train.py", line' not in out.stderr and '[rank' not in out.stderr  # no traceback from our ranks

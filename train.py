@@ -268,7 +268,7 @@ def check_config(cfg, world_size):
             raise ValueError(f"{key}={cfg[key]!r}: use one of {', '.join(map(repr, allowed))}")
     found = all(os.path.exists(os.path.join(data_dir(cfg), f'{s}.bin')) for s in ('train', 'val'))
     if not found and cfg['dataset'] not in PREPARED_ON_FIRST_USE:
-        raise ValueError(f"dataset={cfg['dataset']!r}: {data_dir(cfg)}/train.bin and val.bin not found; prepare them "
+        raise ValueError(f"dataset={cfg['dataset']!r}: {os.path.relpath(data_dir(cfg))}/train.bin and val.bin not found; prepare them "
                          f"with python data/shakespeare/prepare.py --input=YOUR.txt --out_dir=data/{cfg['dataset']} "
                          f"(GPT-2 tokens) or data/shakespeare_char/prepare.py (characters)")
     return zero_config({**cfg, 'zero_stage': 1 if cfg['zero_stage'] == 'auto' else cfg['zero_stage']})
