@@ -366,17 +366,18 @@ HD bf16 bf16_round(float x, uint32_t below) {
 HD bf16 bf16_nearest_even(float x) { return bf16_round(x, 0x7FFFu + ((bits_of(x) >> 16) & 1u)); }
 HD bf16 bf16_away(float x) { return bf16_round(x, 0x8000u); }
 
-// fp32 -> fp16, round to nearest-even, denormals, inf and NaN included (as .to(torch.float16))
+// fp32 -> fp16, round to nearest-even, denormals, inf and NaN included (as .to(torch.float16)). Both roundings are
+// computed and one selected, without branches, so the CPU loop stays vectorized.
 HD fp16 fp16_nearest_even(float x) {
-  const uint32_t b = bits_of(x), sign = (b >> 16) & 0x8000u, a = b & 0x7FFFFFFFu;
-  uint32_t h;
-  if (a > 0x7F800000u) h = 0x7E00u;        // NaN -> quiet NaN
-  else if (a >= 0x477FF000u) h = 0x7C00u;  // >= 65520, the tie between 65504 and 2^16: inf
-  else if (a >= 0x38800000u)               // >= 2^-14, a normal fp16: rebias the exponent 127 -> 15, round at bit 13
-    h = (a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13;
-  else  // a denormal fp16, a multiple of 2^-24: the FPU rounds |x| + 0.5 (ulp 2^-24) to that multiple
-    h = bits_of(float_of(a) + 0.5f) - 0x3F000000u;
-  return {(uint16_t)(sign | h)};
+  const uint32_t b = bits_of(x), a = b & 0x7FFFFFFFu;
+  // >= 2^-14, a normal fp16: rebias the exponent 127 -> 15 and round at bit 13, as bf16_nearest_even at bit 16
+  const uint32_t normal = (a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+  // below, a denormal fp16: a multiple of 2^-24, to which the FPU rounds |x| + 0.5 (whose ulp is 2^-24)
+  const uint32_t denormal = bits_of(float_of(a) + 0.5f) - 0x3F000000u;
+  const uint32_t h = a > 0x7F800000u ? 0x7E00u                // NaN -> quiet NaN
+                   : a >= 0x477FF000u ? 0x7C00u               // >= 65520, the tie between 65504 and 2^16: inf
+                   : a >= 0x38800000u ? normal : denormal;
+  return {(uint16_t)((b >> 16 & 0x8000u) | h)};
 }
 
 HD uint32_t lowbias32(uint32_t x) {
@@ -428,7 +429,7 @@ HD uint8_t quantize(float x, float absmax, const float* midpoints) {
   // the number of the 255 midpoints below xn, by binary search (128 + 64 + ... + 1 = 255); a NaN counts as above
   // them all, as torch.searchsorted puts it
   int code = 0;
-  for (int half = 128; half > 0; half >>= 1) code += !(xn <= midpoints[code + half - 1]) ? half : 0;
+  for (int bit = 7; bit >= 0; --bit) code += !(xn <= midpoints[code + (1 << bit) - 1]) ? 1 << bit : 0;
   return (uint8_t)code;
 }
 
