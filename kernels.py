@@ -826,8 +826,21 @@ def _dtype(t):
 
 def _check(tensors, decay_numel, rounding_seed):
     """What the kernels assume before they take raw pointers: ValueError / TypeError naming the tensor."""
-    grad, uint8 = tensors["grad"], tensors["exp_avg"].dtype == torch.uint8
+    grad, exp_avg, uint8 = tensors["grad"], tensors["exp_avg"], tensors["exp_avg"].dtype == torch.uint8
     n = grad.numel()
+    if grad.dtype not in _GRAD_KINDS:
+        raise TypeError(f"adamw_step: grad must be float32 or bfloat16, got {grad.dtype}")
+    if exp_avg.dtype not in _STATE_KINDS or tensors["exp_avg_sq"].dtype != exp_avg.dtype:
+        raise TypeError("adamw_step: exp_avg and exp_avg_sq must both be float32, both bfloat16 or both uint8, got "
+                        f"{exp_avg.dtype} and {tensors['exp_avg_sq'].dtype}")
+    weights = (_dtype(tensors["master"]), _dtype(tensors["param"]))
+    if weights not in _WEIGHTS_KINDS:
+        raise TypeError(f"adamw_step: (master, param) dtypes {weights} are not a mode; use one of {list(_WEIGHTS_KINDS)}")
+    if uint8 and (n % 256 or tensors["exp_avg_absmax"] is None):
+        raise ValueError(f"adamw_step: uint8 state needs n a multiple of 256 (blocks of 256; pad the shard to "
+                         f"Precision.align) and absmax=(exp_avg_absmax, exp_avg_sq_absmax): got n={n}")
+    if not uint8 and tensors["exp_avg_absmax"] is not None:
+        raise ValueError("adamw_step: absmax is only for uint8 state")
     for name, t in tensors.items():
         if t is None:
             continue
@@ -837,19 +850,6 @@ def _check(tensors, decay_numel, rounding_seed):
                              f"got {'a non-contiguous' if not t.is_contiguous() else 'a'} {tuple(t.shape)} on {t.device}")
         if t.dtype != torch.float32 and (name == "found_inf" or name.endswith("absmax")):
             raise TypeError(f"adamw_step: {name} must be float32, got {t.dtype}")
-    if grad.dtype not in _GRAD_KINDS:
-        raise TypeError(f"adamw_step: grad must be float32 or bfloat16, got {grad.dtype}")
-    if tensors["exp_avg"].dtype not in _STATE_KINDS or tensors["exp_avg_sq"].dtype != tensors["exp_avg"].dtype:
-        raise TypeError("adamw_step: exp_avg and exp_avg_sq must both be float32, both bfloat16 or both uint8, got "
-                        f"{tensors['exp_avg'].dtype} and {tensors['exp_avg_sq'].dtype}")
-    weights = (_dtype(tensors["master"]), _dtype(tensors["param"]))
-    if weights not in _WEIGHTS_KINDS:
-        raise TypeError(f"adamw_step: (master, param) dtypes {weights} are not a mode; use one of {list(_WEIGHTS_KINDS)}")
-    if uint8 and (n % 256 or tensors["exp_avg_absmax"] is None):
-        raise ValueError(f"adamw_step: uint8 state needs n a multiple of 256 (blocks of 256; pad the shard to "
-                         f"Precision.align) and absmax=(exp_avg_absmax, exp_avg_sq_absmax): got n={n}")
-    if not uint8 and tensors["exp_avg_absmax"] is not None:
-        raise ValueError("adamw_step: absmax is only for uint8 state")
     if rounding_seed is not None and (tensors["master"] is not None or not 0 <= rounding_seed < 2**32):
         raise ValueError("adamw_step: rounding_seed (an int in [0, 2^32)) rounds a bf16 param that has no master; "
                          f"got rounding_seed={rounding_seed} with master {weights[0]}")
