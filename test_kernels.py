@@ -459,21 +459,19 @@ def test_uint8_state_agrees_with_torchao_adamw8bit(monkeypatch):
         kernels.adamw_step(master, grad, exp_avg, exp_avg_sq, None, torch.zeros(1), **HP, weight_decay=0.1,
                            decay_numel=n, step=step, absmax=absmax, impl="cpu")
     state = opt.state[theirs]
+    # Measured here (3 steps, 65,536 elements, grads of 4 magnitudes): the codes of both moments equal torchao's at
+    # every element after every step; exp_avg's absmax equal, exp_avg_sq's within 2.3e-7 relative (torchao computes
+    # it with lerp, we as torch.optim.AdamW does). We allow 0.1% of codes to differ, by one code, at near-ties.
     for name, codes, scale, signed in (("exp_avg", exp_avg, absmax[0], True), ("exp_avg_sq", exp_avg_sq, absmax[1], False)):
         their = state[name]
-        # measured (3 steps, 65,536 elements): absmax equal to 2e-7 relative; exp_avg codes differ at 0.03% of elements,
-        # exp_avg_sq at 0.06%, always by one code (a value within an ulp of a midpoint, where torchao's fp32 differs
-        # from ours by an ulp: it computes exp_avg_sq with lerp, the bias corrections in fp32, and rounds ties up)
-        torch.testing.assert_close(scale, their.scale, rtol=1e-6, atol=0)
-        differ = codes.long() != their.codes.long()
-        assert differ.double().mean().item() < 1e-3, name
-        assert ((codes.long() - their.codes.long()).abs() <= 1).all(), name
-        # one code apart is at most the largest gap between codes (0.9/64 signed, 0.9/128 unsigned) times absmax
-        ours32, their32 = kernels.dequantize(codes, scale, signed), their.dequantize()
-        gap = 0.9 / 64 if signed else 0.9 / 128
-        assert ((ours32 - their32).view(-1, 256).abs() <= gap * scale[:, None] * (1 + 1e-6)).all(), name
-    # the params: updated from the same fp32 m and v, they agree to ~1 ulp (measured: max 2.4e-7 relative)
-    torch.testing.assert_close(master, theirs.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(scale, their.scale, rtol=5e-7, atol=0)
+        differ = codes.long() - their.codes.long()
+        assert (differ != 0).double().mean().item() <= 1e-3 and differ.abs().max().item() <= 1, name
+        same = differ == 0
+        torch.testing.assert_close(kernels.dequantize(codes, scale, signed)[same], their.dequantize()[same], rtol=5e-7, atol=0)
+    # The params, updated from the same fp32 m and v: measured within 7 ulps (bias corrections in fp32 there, in
+    # double here) and 5.2e-10 absolute where the update cancels the weight to ~0.
+    torch.testing.assert_close(master, theirs.detach(), rtol=5e-7, atol=1e-9)
 
 # ----------------------------------------------------------------------------
 # the CUDA kernel, run on the host: where no GPU is, this is how its indexing, vector/tail split, roundings, block
@@ -668,7 +666,7 @@ def test_concurrent_processes_build_once_and_later_ones_only_load(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     times = [float(p.communicate(timeout=300)[0]) for p in procs]
     assert all(p.returncode == 0 for p in procs)
-    built, lock = sorted(tmp_path.iterdir())  # one library, its lock file, no temporary directory left behind
+    lock, built = sorted(tmp_path.iterdir())  # one library, its lock file, no temporary directory left behind
     assert built.suffix == ".so" and lock.suffix == ".lock"
     mtime = built.stat().st_mtime_ns
     later = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
