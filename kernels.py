@@ -13,7 +13,8 @@ The storage of the shard's weights and moments (its precision mode) is read from
 
 One pass over memory. fp32 master, m, v, grad and a bf16 param: per element 8 + 8 + 8 (master, m, v read+write)
 + 4 (grad) + 2 (param) = 30 bytes, where torch's fused AdamW followed by `param.copy_(master)` moves 28 + 6 = 34.
-Remainder master and uint8 state: 4 (bf16 param + remainder, read+write) + 4 (grad) + 2 + 2 (codes) = 12 bytes.
+Remainder master and uint8 state: 8 (bf16 param and remainder, read+write) + 4 (grad) + 4 (codes, read+write)
++ 4 * 4/256 (absmax) = 16.06 bytes.
 
     python -m pytest -q test_kernels.py
     python bench.py kernels --sizes 1M,16M [--modes]
@@ -187,7 +188,7 @@ def round_stochastic(x32, seed, step, index_offset=0):
 # [0, 1] (unsigned, for exp_avg_sq) that are dense near 0, so small moments keep their relative precision. The value
 # of a code's bits: the sign bit (signed map), then a run of z zero bits giving the exponent 10^-z, an indicator 1
 # bit, and the remaining bits a linear fraction: the midpoints of 2^bits equal bins of [0.1, 1]. E.g. unsigned
-# 0b00101100: z = 2, fraction bits 1100 of 4 -> 10^-2 * (0.1 + 0.9 * 12.5/16) = 0.00803. The two codes with no
+# 0b00101100: z = 2, then the indicator, then fraction bits 01100 = 12 of 5 -> 10^-2 * (0.1 + 0.9 * 12.5/32) = 0.0045156. The two codes with no
 # indicator bit within the 7 exponents hold 0 and 1 (so the element at the absmax is stored exactly). The maps are
 # the same as bitsandbytes' and torchao's create_dynamic_map(signed, max_exponent_bits=7, total_bits=8), bit for bit.
 # Quantizing: absmax = max |x| over the block, xn = x / absmax (x / 1 for an all-zero block), and the code is the
@@ -419,7 +420,9 @@ template <bool stochastic> struct NoMaster {  // the bf16 param is the only copy
   }
 };
 
-// The moments: fp32 or bf16 (rounded to nearest-even) per element; uint8 per block, in the kernels' block paths.
+// The moments: fp32 or bf16 (rounded to nearest-even) per element; uint8 per block, in the kernels' block paths,
+// with the code tables at these offsets in args.tables (kernels._code_tables)
+enum { SIGNED_MAP = 0, UNSIGNED_MAP = 256, SIGNED_MIDPOINTS = 512, UNSIGNED_MIDPOINTS = 767 };
 HD void from_float(float x, float& out) { out = x; }
 HD void from_float(float x, bf16& out) { out = bf16_nearest_even(x); }
 HD float magnitude(float x) { const float y = fabsf(x); return y > 0.0f ? y : 0.0f; }  // NaN -> 0: absmax ignores it
@@ -505,8 +508,8 @@ static int adamw_block(const AdamWArgs& args, int64_t block) {
   #pragma omp simd reduction(|:bad) reduction(max:absmax_m, absmax_v)
   for (int j = 0; j < 256; ++j) {
     const int64_t i = block * 256 + j;
-    m[j] = dequantize(codes_m[j], old_absmax_m, a.tables);
-    v[j] = dequantize(codes_v[j], old_absmax_v, a.tables + 256);
+    m[j] = dequantize(codes_m[j], old_absmax_m, a.tables + SIGNED_MAP);
+    v[j] = dequantize(codes_v[j], old_absmax_v, a.tables + UNSIGNED_MAP);
     M master = get<M>(a.master, i);
     P param = W::reads_param ? get<P>(a.param, i) : P{};
     const float decay = i < a.decay_numel ? a.decay : 1.0f;
@@ -516,8 +519,8 @@ static int adamw_block(const AdamWArgs& args, int64_t block) {
   }
   #pragma omp simd
   for (int j = 0; j < 256; ++j) {
-    codes_m[j] = quantize(m[j], absmax_m, a.tables + 512);
-    codes_v[j] = quantize(v[j], absmax_v, a.tables + 767);
+    codes_m[j] = quantize(m[j], absmax_m, a.tables + SIGNED_MIDPOINTS);
+    codes_v[j] = quantize(v[j], absmax_v, a.tables + UNSIGNED_MIDPOINTS);
   }
   a.exp_avg_absmax[block] = absmax_m; a.exp_avg_sq_absmax[block] = absmax_v;
   return bad;
@@ -600,8 +603,8 @@ __global__ void adamw_block_kernel(const AdamWArgs a) {
   __shared__ float absmax[2][256];  // exp_avg's and exp_avg_sq's, reduced in place
   const int t = threadIdx.x;
   const int64_t block = blockIdx.x, i = block * 256 + t;
-  float m = dequantize(((const uint8_t*)a.exp_avg)[i], a.exp_avg_absmax[block], a.tables);
-  float v = dequantize(((const uint8_t*)a.exp_avg_sq)[i], a.exp_avg_sq_absmax[block], a.tables + 256);
+  float m = dequantize(((const uint8_t*)a.exp_avg)[i], a.exp_avg_absmax[block], a.tables + SIGNED_MAP);
+  float v = dequantize(((const uint8_t*)a.exp_avg_sq)[i], a.exp_avg_sq_absmax[block], a.tables + UNSIGNED_MAP);
   M master = get<M>(a.master, i);
   P param = W::reads_param ? get<P>(a.param, i) : P{};
   const float decay = i < a.decay_numel ? a.decay : 1.0f;
@@ -616,8 +619,8 @@ __global__ void adamw_block_kernel(const AdamWArgs a) {
     }
     __syncthreads();
   }
-  ((uint8_t*)a.exp_avg)[i] = quantize(m, absmax[0][0], a.tables + 512);
-  ((uint8_t*)a.exp_avg_sq)[i] = quantize(v, absmax[1][0], a.tables + 767);
+  ((uint8_t*)a.exp_avg)[i] = quantize(m, absmax[0][0], a.tables + SIGNED_MIDPOINTS);
+  ((uint8_t*)a.exp_avg_sq)[i] = quantize(v, absmax[1][0], a.tables + UNSIGNED_MIDPOINTS);
   if (t == 0) { a.exp_avg_absmax[block] = absmax[0][0]; a.exp_avg_sq_absmax[block] = absmax[1][0]; }
   if (__syncthreads_or(bad) && t == 0) *a.found_inf = 1.0f;
 }

@@ -276,6 +276,22 @@ def test_quantize_keeps_zeros_zero():
         assert absmax[1] == 0.0
         assert (kernels.dequantize(codes, absmax, signed)[y == 0] == 0).all()
 
+@pytest.mark.parametrize("impl", ALL_IMPLS)
+def test_a_tie_between_two_codes_quantizes_to_the_lower(impl):
+    # exp_avg starts at 0 and beta1 = 0.5, so the new exp_avg is exactly grad / 2: [1, the 255 midpoints of the
+    # signed map]. The block's absmax is then 1, each scaled value is exactly a midpoint, and each must take the
+    # code below it: element k + 1 gets code k.
+    device = device_of(impl)
+    midpoints = (kernels.SIGNED_MAP[:-1] + kernels.SIGNED_MAP[1:]) / 2
+    grad = (2 * torch.cat([torch.ones(1), midpoints])).to(device)
+    exp_avg = torch.full((256,), 127, dtype=torch.uint8, device=device)  # code 127 is the signed map's 0
+    exp_avg_sq = torch.zeros(256, dtype=torch.uint8, device=device)
+    absmax = (torch.zeros(1, device=device), torch.zeros(1, device=device))
+    adamw(impl, torch.zeros(256, device=device), grad, exp_avg, exp_avg_sq, None, torch.zeros(1, device=device),
+          lr=1e-3, beta1=0.5, beta2=0.95, eps=1e-8, weight_decay=0.0, decay_numel=0, step=1, absmax=absmax)
+    assert absmax[0].item() == 1.0
+    assert exp_avg.cpu().tolist() == [255] + list(range(255))
+
 # ----------------------------------------------------------------------------
 # each kernel is the reference, in every mode
 
