@@ -119,6 +119,15 @@ def adamw(impl, *tensors, **hp):
         kernels.adamw_step(*tensors, impl="cpu", **hp)
 
 
+def spiky_grad(n, gen):
+    """Normal grads plus one large one per 256-element block, at a different place in each (block 0: its last element),
+    so the absmax of the 8-bit moments sits at every kind of position, not where the random data happens to put it."""
+    grad = torch.randn(n, generator=gen)
+    block = torch.arange(n // 256)
+    grad[block * 256 + (255 - 61 * block) % 256] = 30.0 * (1 - 2 * (block % 2))  # 255, 194, 133, 72, 11, 206, ...
+    return grad
+
+
 def step_both(impl, shard, ref, grad, **kw):
     """One step of impl on shard and of the reference on ref (on the CPU, so the reference is always torch's CPU ops)."""
     assert shard.step(impl, grad.to(device_of(impl)), **kw) == 0.0
@@ -338,7 +347,7 @@ def test_every_mode_matches_the_reference(impl, weights, state, grad):
     shard = ref.to(device_of(impl))
     gen = torch.Generator().manual_seed(1)
     for step in (1, 2, 3):
-        g = torch.randn(n, generator=gen).to(GRADS[grad])
+        g = spiky_grad(n, gen).to(GRADS[grad])
         step_both(impl, shard, ref, g, weight_decay=0.1, decay_numel=1001, step=step, grad_scale=0.37, index_offset=77)
         for out, expected in zip([shard.exp_avg, shard.exp_avg_sq, *(shard.absmax or ())],
                                  [ref.exp_avg, ref.exp_avg_sq, *(ref.absmax or ())]):
@@ -376,7 +385,7 @@ def test_remainder_run_equals_fp32_master_run_bit_for_bit(impl, state):
     fp32, remainder = Shard(n, "fp32+bf16param", state).to(device_of(impl)), Shard(n, "remainder", state).to(device_of(impl))
     gen = torch.Generator().manual_seed(3)
     for step in range(1, 6):
-        grad = torch.randn(n, generator=gen).to(device_of(impl))
+        grad = spiky_grad(n, gen).to(device_of(impl))
         for shard in (fp32, remainder):
             shard.step(impl, grad, weight_decay=0.1, decay_numel=2000, step=step)
         assert same_bits(remainder.param, fp32.param)
@@ -597,7 +606,7 @@ def test_cuda_kernel_equals_the_cpu_kernel_bit_for_bit(impl, weights, state):
         other = cpu.to(device_of(impl))
         gen = torch.Generator().manual_seed(2)
         for step in (1, 2, 3):
-            grad = torch.randn(n, generator=gen).to(grad_dtype)
+            grad = spiky_grad(n, gen).to(grad_dtype)
             for which, shard in (("cpu", cpu), (impl, other)):
                 shard.step(which, grad.to(device_of(which)), weight_decay=0.1, decay_numel=5001, step=step,
                            grad_scale=0.37, index_offset=2**32 - 5000)  # 5001: mid-vector
