@@ -59,7 +59,7 @@ def same_bits(a, b):
 
 def from_bits(values):
     """fp32 tensor with the given 32-bit patterns (Python ints)."""
-    return torch.tensor(values, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    return kernels._from_unsigned(torch.tensor(values, dtype=torch.int64) & 0xFFFFFFFF, torch.float32)
 
 
 class Shard:
@@ -199,7 +199,7 @@ def remainder_test_bits():
 
 def test_join_of_split_is_exact_for_every_low_half_of_300_high_halves():
     for chunk in remainder_test_bits().split(1 << 22):
-        x = chunk.to(torch.int32).view(torch.float32)
+        x = kernels._from_unsigned(chunk, torch.float32)
         param, remainder = kernels.split_master(x)
         joined = kernels.join_master(param, remainder)
         nan = x.isnan()
@@ -403,8 +403,8 @@ EDGE_FP16_BITS = [0x477FE000, 0x477FEFFF, 0x477FF000, 0x477FF001, 0xC77FF000,  #
 def test_kernel_params_are_cast_param_bit_for_bit_and_fp16_is_torchs_cast(impl):
     # lr = 0 and no decay: the master comes out as it went in, and the param is its rounding. fp16: torch's own
     # .to(float16) on edge cases and on 200,000 random bit patterns; bf16: cast_param, on edge cases and the same.
-    patterns = torch.randint(-2**31, 2**31, (200_000,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
-    master = torch.cat([from_bits(EDGE_FP16_BITS + EDGE_BITS), patterns.to(torch.int32).view(torch.float32)])
+    patterns = torch.randint(0, 2**32, (200_000,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    master = from_bits(EDGE_FP16_BITS + EDGE_BITS + patterns.tolist())
     n = master.numel()
     for param_dtype, expected in ((torch.float16, master.to(torch.float16)),
                                   (torch.bfloat16, kernels.cast_param(master, torch.bfloat16))):
