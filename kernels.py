@@ -196,6 +196,15 @@ def round_stochastic(x32, seed, step, index_offset=0):
 # The step dequantizes (map[code] * absmax), updates in fp32 and uses the new fp32 m and v for the param update (as
 # torchao's AdamW8bit does), then requantizes. Worst error: half the largest gap between adjacent codes, times absmax.
 
+# [Note: a code in two loads]
+# The code of xn is the number of midpoints below it, and a binary search over the 255 midpoints costs 8 dependent
+# loads per element. Instead, group the fp32 values by their top 16 bits (sign, exponent, 7 fraction bits): 2^16
+# buckets, each 1/256 to 1/128 of its values wide. No bucket holds two midpoints (the closest two are 0.9/128 apart,
+# near 1, where a bucket is 1/256 wide; _buckets checks it), so a 64 KB table of the count below each bucket plus one
+# compare with the next midpoint is exact: code = buckets[bits(xn) >> 16] + (midpoints[that] < xn), with a +inf after
+# the last midpoint. NaN buckets hold 255, as torch.searchsorted puts a NaN above every midpoint (xn = x / absmax is
+# never +-inf: an inf x makes absmax inf and xn NaN).
+
 def dynamic_map(signed):
     """The 256 values of the 8-bit dynamic code, sorted ascending (fp32): [Note: 8-bit state]."""
     magnitude_bits = 7 if signed else 8  # the unsigned map spends the sign bit on the fraction
@@ -217,11 +226,30 @@ def dynamic_map(signed):
 SIGNED_MAP, UNSIGNED_MAP = dynamic_map(signed=True), dynamic_map(signed=False)  # (256,) fp32 each
 
 
+def _midpoints(q):
+    return (q[:-1] + q[1:]) / 2  # (255,) fp32
+
+
+def _buckets(midpoints):
+    """(2^16,) uint8: how many midpoints lie below each bucket of the fp32 values that share their top 16 bits.
+    [Note: a code in two loads]"""
+    top = torch.arange(1 << 16)
+    negative = top >= 0x8000  # there the smallest value has the largest low half
+    lowest = _from_unsigned(torch.where(negative, top << 16 | 0xFFFF, top << 16), torch.float32)
+    highest = _from_unsigned(torch.where(negative, top << 16, top << 16 | 0xFFFF), torch.float32)
+    below = torch.searchsorted(midpoints, lowest)  # NaN buckets: 255, as for a NaN itself
+    assert (torch.searchsorted(midpoints, highest) - below).max() <= 1, "a bucket holds two midpoints"
+    return below.to(torch.uint8)
+
+
 @functools.lru_cache(maxsize=None)
 def _code_tables(device):
-    """(1022,) fp32 on device: signed map, unsigned map (256 each), then their midpoints (255 each), in fp32."""
-    midpoints = [(q[:-1] + q[1:]) / 2 for q in (SIGNED_MAP, UNSIGNED_MAP)]
-    return torch.cat([SIGNED_MAP, UNSIGNED_MAP, *midpoints]).to(device)
+    """The kernels' tables, on device: fp32 (1024,) = the signed and unsigned maps (256 each), then the midpoints of
+    each (255) followed by +inf; uint8 (2 * 2^16,) = the buckets of the signed, then the unsigned, midpoints."""
+    inf = torch.tensor([float("inf")])
+    signed, unsigned = _midpoints(SIGNED_MAP), _midpoints(UNSIGNED_MAP)
+    return (torch.cat([SIGNED_MAP, UNSIGNED_MAP, signed, inf, unsigned, inf]).to(device),
+            torch.cat([_buckets(signed), _buckets(unsigned)]).to(device))
 
 
 def quantize(x32, signed):
@@ -229,13 +257,13 @@ def quantize(x32, signed):
     blocks = x32.view(-1, 256)
     absmax = torch.where(blocks.isnan(), 0.0, blocks.abs()).amax(dim=1)
     scale = torch.where(absmax > 0, absmax, 1.0)
-    midpoints = _code_tables(x32.device)[512:767] if signed else _code_tables(x32.device)[767:]
+    midpoints = _midpoints(SIGNED_MAP if signed else UNSIGNED_MAP).to(x32.device)
     return torch.searchsorted(midpoints, blocks / scale[:, None]).to(torch.uint8).view(-1), absmax
 
 
 def dequantize(codes, absmax, signed):
     """uint8 codes (n,) and fp32 absmax (n/256,) -> fp32 (n,)."""
-    values = _code_tables(codes.device)[codes.long() + (0 if signed else 256)]
+    values = (SIGNED_MAP if signed else UNSIGNED_MAP).to(codes.device)[codes.long()]
     return (values.view(-1, 256) * absmax[:, None]).view(-1)
 
 # ----------------------------------------------------------------------------
@@ -327,7 +355,8 @@ struct AdamWArgs {
   const void* grad;      // fp32 or bf16 (n,)
   void* exp_avg; void* exp_avg_sq;  // fp32, bf16 or uint8 codes (n,)
   float* exp_avg_absmax; float* exp_avg_sq_absmax;  // uint8 state: (n / 256,)
-  const float* tables;   // uint8 state: signed map, unsigned map (256 each), their midpoints (255 each)
+  const float* tables;   // uint8 state: the maps and midpoints (kernels._code_tables)
+  const uint8_t* buckets;  // uint8 state: [Note: a code in two loads]
   float* found_inf;      // (1,): set to 1.0 if any scaled grad is inf/nan, never reset
   int64_t n, decay_numel;  // elements [0, decay_numel) get weight decay
   int64_t index_offset;  // the shard's offset in the flat buffer, for the rounding hash
@@ -421,19 +450,17 @@ template <bool stochastic> struct NoMaster {  // the bf16 param is the only copy
 };
 
 // The moments: fp32 or bf16 (rounded to nearest-even) per element; uint8 per block, in the kernels' block paths,
-// with the code tables at these offsets in args.tables (kernels._code_tables)
-enum { SIGNED_MAP = 0, UNSIGNED_MAP = 256, SIGNED_MIDPOINTS = 512, UNSIGNED_MIDPOINTS = 767 };
+// with the code tables at these offsets in args.tables and args.buckets (kernels._code_tables)
+enum { SIGNED_MAP = 0, UNSIGNED_MAP = 256, SIGNED_MIDPOINTS = 512, UNSIGNED_MIDPOINTS = 768 };
+enum { SIGNED_BUCKETS = 0, UNSIGNED_BUCKETS = 1 << 16 };
 HD void from_float(float x, float& out) { out = x; }
 HD void from_float(float x, bf16& out) { out = bf16_nearest_even(x); }
 HD float magnitude(float x) { const float y = fabsf(x); return y > 0.0f ? y : 0.0f; }  // NaN -> 0: absmax ignores it
 HD float dequantize(uint8_t code, float absmax, const float* map) { return map[code] * absmax; }
-HD uint8_t quantize(float x, float absmax, const float* midpoints) {
+HD uint8_t quantize(float x, float absmax, const float* midpoints, const uint8_t* buckets) {
   const float xn = x / (absmax > 0.0f ? absmax : 1.0f);
-  // the number of the 255 midpoints below xn, by binary search (128 + 64 + ... + 1 = 255); a NaN counts as above
-  // them all, as torch.searchsorted puts it
-  int code = 0;
-  for (int bit = 7; bit >= 0; --bit) code += !(xn <= midpoints[code + (1 << bit) - 1]) ? 1 << bit : 0;
-  return (uint8_t)code;
+  const int below = buckets[bits_of(xn) >> 16];  // the midpoints below xn's bucket; at most one more is in it
+  return (uint8_t)(below + (midpoints[below] < xn));  // midpoints[255] is +inf
 }
 
 // The update of one element, in the reference's op order. Each op rounds once (the CPU build has -ffp-contract=off,
@@ -519,8 +546,8 @@ static int adamw_block(const AdamWArgs& args, int64_t block) {
   }
   #pragma omp simd
   for (int j = 0; j < 256; ++j) {
-    codes_m[j] = quantize(m[j], absmax_m, a.tables + SIGNED_MIDPOINTS);
-    codes_v[j] = quantize(v[j], absmax_v, a.tables + UNSIGNED_MIDPOINTS);
+    codes_m[j] = quantize(m[j], absmax_m, a.tables + SIGNED_MIDPOINTS, a.buckets + SIGNED_BUCKETS);
+    codes_v[j] = quantize(v[j], absmax_v, a.tables + UNSIGNED_MIDPOINTS, a.buckets + UNSIGNED_BUCKETS);
   }
   a.exp_avg_absmax[block] = absmax_m; a.exp_avg_sq_absmax[block] = absmax_v;
   return bad;
@@ -619,8 +646,8 @@ __global__ void adamw_block_kernel(const AdamWArgs a) {
     }
     __syncthreads();
   }
-  ((uint8_t*)a.exp_avg)[i] = quantize(m, absmax[0][0], a.tables + SIGNED_MIDPOINTS);
-  ((uint8_t*)a.exp_avg_sq)[i] = quantize(v, absmax[1][0], a.tables + UNSIGNED_MIDPOINTS);
+  ((uint8_t*)a.exp_avg)[i] = quantize(m, absmax[0][0], a.tables + SIGNED_MIDPOINTS, a.buckets + SIGNED_BUCKETS);
+  ((uint8_t*)a.exp_avg_sq)[i] = quantize(v, absmax[1][0], a.tables + UNSIGNED_MIDPOINTS, a.buckets + UNSIGNED_BUCKETS);
   if (t == 0) { a.exp_avg_absmax[block] = absmax[0][0]; a.exp_avg_sq_absmax[block] = absmax[1][0]; }
   if (__syncthreads_or(bad) && t == 0) *a.found_inf = 1.0f;
 }
@@ -658,7 +685,8 @@ extern "C" const char* adamw_error_string(int error) { return cudaGetErrorString
 class AdamWArgs(ctypes.Structure):
     """The C struct AdamWArgs, field for field; each library's adamw_args_size() is checked against it at load."""
     _fields_ = [(name, ctypes.c_void_p) for name in ("master", "param", "grad", "exp_avg", "exp_avg_sq",
-                                                     "exp_avg_absmax", "exp_avg_sq_absmax", "tables", "found_inf")] + \
+                                                     "exp_avg_absmax", "exp_avg_sq_absmax", "tables", "buckets",
+                                                     "found_inf")] + \
                [(name, ctypes.c_int64) for name in ("n", "decay_numel", "index_offset")] + \
                [(name, ctypes.c_int32) for name in ("grad_kind", "state_kind", "weights_kind")] + \
                [(name, ctypes.c_uint32) for name in ("seed", "step")] + \
@@ -865,7 +893,8 @@ def _check(tensors, decay_numel, rounding_seed):
 def _pack(tensors, hp):
     """The C args for one step: pointers, kinds, and the step's constants in double, rounded to float by ctypes."""
     a = AdamWArgs(**{name: None if t is None else t.data_ptr() for name, t in tensors.items()})
-    a.tables = _code_tables(tensors["grad"].device).data_ptr() if tensors["exp_avg"].dtype == torch.uint8 else None
+    if tensors["exp_avg"].dtype == torch.uint8:
+        a.tables, a.buckets = (t.data_ptr() for t in _code_tables(tensors["grad"].device))
     a.n, a.decay_numel, a.index_offset = tensors["grad"].numel(), hp["decay_numel"], hp["index_offset"]
     a.grad_kind, a.state_kind = _GRAD_KINDS[tensors["grad"].dtype], _STATE_KINDS[tensors["exp_avg"].dtype]
     a.weights_kind = 6 if hp["rounding_seed"] is not None else \

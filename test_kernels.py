@@ -286,20 +286,24 @@ def test_quantize_keeps_zeros_zero():
         assert (kernels.dequantize(codes, absmax, signed)[y == 0] == 0).all()
 
 @pytest.mark.parametrize("impl", ALL_IMPLS)
-def test_a_tie_between_two_codes_quantizes_to_the_lower(impl):
-    # exp_avg starts at 0 and beta1 = 0.5, so the new exp_avg is exactly grad / 2: [1, the 255 midpoints of the
-    # signed map]. The block's absmax is then 1, each scaled value is exactly a midpoint, and each must take the
-    # code below it: element k + 1 gets code k.
+def test_values_at_and_beside_every_midpoint_get_the_nearest_code_and_ties_the_lower(impl):
+    # exp_avg starts at 0 and beta1 = 0.5, so the new exp_avg is exactly grad / 2. Three blocks, each [1, 255 values]:
+    # the signed map's midpoints, the fp32 just below each, the fp32 just above. Each block's absmax is then 1, so the
+    # scaled values are these exactly: below or at midpoint k must take code k, above it code k + 1.
     device = device_of(impl)
     midpoints = (kernels.SIGNED_MAP[:-1] + kernels.SIGNED_MAP[1:]) / 2
-    grad = (2 * torch.cat([torch.ones(1), midpoints])).to(device)
-    exp_avg = torch.full((256,), 127, dtype=torch.uint8, device=device)  # code 127 is the signed map's 0
-    exp_avg_sq = torch.zeros(256, dtype=torch.uint8, device=device)
-    absmax = (torch.zeros(1, device=device), torch.zeros(1, device=device))
-    adamw(impl, torch.zeros(256, device=device), grad, exp_avg, exp_avg_sq, None, torch.zeros(1, device=device),
+    values = [midpoints, torch.nextafter(midpoints, torch.tensor(-2.0)), torch.nextafter(midpoints, torch.tensor(2.0))]
+    grad = (2 * torch.cat([torch.cat([torch.ones(1), v]) for v in values])).to(device)
+    exp_avg = torch.full((768,), 127, dtype=torch.uint8, device=device)  # code 127 is the signed map's 0
+    exp_avg_sq = torch.zeros(768, dtype=torch.uint8, device=device)
+    absmax = (torch.zeros(3, device=device), torch.zeros(3, device=device))
+    adamw(impl, torch.zeros(768, device=device), grad, exp_avg, exp_avg_sq, None, torch.zeros(1, device=device),
           lr=1e-3, beta1=0.5, beta2=0.95, eps=1e-8, weight_decay=0.0, decay_numel=0, step=1, absmax=absmax)
-    assert absmax[0].item() == 1.0
-    assert exp_avg.cpu().tolist() == [255] + list(range(255))
+    assert absmax[0].tolist() == [1.0, 1.0, 1.0]
+    codes = exp_avg.cpu().long().view(3, 256)[:, 1:]
+    assert codes[0].tolist() == codes[1].tolist() == list(range(255))  # at (a tie) and below: the lower code
+    assert codes[2].tolist() == list(range(1, 256))                     # above: the upper one
+
 
 # ----------------------------------------------------------------------------
 # each kernel is the reference, in every mode
