@@ -188,13 +188,13 @@ def round_stochastic(x32, seed, step, index_offset=0):
 # [0, 1] (unsigned, for exp_avg_sq) that are dense near 0, so small moments keep their relative precision. The value
 # of a code's bits: the sign bit (signed map), then a run of z zero bits giving the exponent 10^-z, an indicator 1
 # bit, and the remaining bits a linear fraction: the midpoints of 2^bits equal bins of [0.1, 1]. E.g. unsigned
-# 0b00101100: z = 2, then the indicator, then fraction bits 01100 = 12 of 5 -> 10^-2 * (0.1 + 0.9 * 12.5/32) = 0.0045156. The two codes with no
-# indicator bit within the 7 exponents hold 0 and 1 (so the element at the absmax is stored exactly). The maps are
-# the same as bitsandbytes' and torchao's create_dynamic_map(signed, max_exponent_bits=7, total_bits=8), bit for bit.
-# Quantizing: absmax = max |x| over the block, xn = x / absmax (x / 1 for an all-zero block), and the code is the
-# nearest map value: the number of midpoints between adjacent map values strictly below xn (ties go to the lower).
-# The step dequantizes (map[code] * absmax), updates in fp32 and uses the new fp32 m and v for the param update (as
-# torchao's AdamW8bit does), then requantizes. Worst error: half the largest gap between adjacent codes, times absmax.
+# 0b00101100: z = 2, the indicator, fraction bits 01100 = 12 of 5 -> 10^-2 * (0.1 + 0.9 * 12.5/32) = 0.0045156.
+# The two codes with no indicator bit within the 7 exponents hold 0 and 1 (so the element at the absmax is stored
+# exactly). The maps equal bitsandbytes' and torchao's create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)
+# bit for bit. Quantizing: absmax = max |x| over the block, xn = x / absmax (x / 1 for an all-zero block), and the
+# code is the nearest map value: the number of midpoints between adjacent map values strictly below xn (ties go to
+# the lower). The step dequantizes (map[code] * absmax), updates in fp32 and uses the new fp32 m and v for the param
+# update (as torchao's AdamW8bit does), then requantizes. Worst error: half the largest gap between codes, times absmax.
 
 # [Note: a code in two loads]
 # The code of xn is the number of midpoints below it, and a binary search over the 255 midpoints costs 8 dependent
@@ -708,7 +708,8 @@ class AdamWArgs(ctypes.Structure):
 
 CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]  # -fno-math-errno: sqrt vectorizes
 CUDA_FLAGS = ["-O3", "--fmad=false"]  # no fma contraction beyond the explicit ones, as in the CPU build
-SHARED_FLAGS = {"cpu": ["-std=c++17", "-shared", "-fPIC"], "cuda": ["-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "shared"]}
+SHARED_FLAGS = {"cpu": ["-std=c++17", "-shared", "-fPIC"],
+                "cuda": ["-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "shared"]}  # torch's cudart
 
 
 def _compiler(impl):
@@ -719,7 +720,8 @@ def _compiler(impl):
         if path is None:
             raise RuntimeError(f"no C++ compiler ({name}) on PATH")
     else:
-        path = shutil.which("nvcc") or shutil.which(os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"))
+        cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+        path = shutil.which("nvcc") or shutil.which(os.path.join(cuda_home, "bin", "nvcc"))
         if path is None:
             raise RuntimeError("no CUDA toolkit: nvcc is not on PATH nor in $CUDA_HOME/bin")
     return path, _version(path)

