@@ -4,7 +4,7 @@ each kernel is the reference in every storage-precision mode.
 
     python -m pytest -q test_kernels.py
 
-The first run builds the CPU library and the host-emulated CUDA library (~5 s each, cached in ~/.cache/nanozero/ or
+The first run builds the CPU library and the host-emulated CUDA library (~3 s each, cached in ~/.cache/nanozero/ or
 $NANOZERO_CACHE); later runs only load them. The torchao test needs `pip install --no-deps torchao==0.18.0`.
 """
 import contextlib
