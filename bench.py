@@ -5,6 +5,7 @@ Benchmarks, one mode per idea:
     python bench.py kernels --device cpu                   # CPU sizes 1M..64M (256M needs ~9 GB of RAM)
     python bench.py kernels --sizes 1M,16M --device cpu
     python bench.py kernels --grad_dtype bfloat16          # grads reduced in bf16 (reduce_dtype='bfloat16')
+    python bench.py kernels --modes --sizes 16M            # each storage-precision mode against the fp32 master
     OMP_NUM_THREADS=1 python bench.py kernels --device cpu # steadier numbers on a shared machine
     torchrun --standalone --nproc_per_node=2 bench.py zero # a training step: ZeRO-1/2/3 vs DDP, ZeRO optimizer, FSDP2
 
@@ -14,6 +15,9 @@ plus the `param.copy_(master)` cast to bf16 that it needs afterwards (and the fo
 Goals: time ratio <= 0.9 on CPU and GPU; on GPU >= 0.85 of the copy bandwidth. The bandwidth counts the
 bytes the step must move (30 B/elem) and the copy's read + write (8 B/elem); on a CPU the copy also pays
 a read of each destination line before writing it, so there "of copy" can exceed 1.
+
+kernels --modes: for each n, the time of each storage-precision mode of kernels.adamw_step (kernels.py's docstring)
+as a ratio to the fp32-master step on the same n, with the bytes per element each one must move.
 
 zero: see bench_zero.py (step time ratios, bytes per rank, exposed communication).
 """
@@ -73,6 +77,8 @@ def bench_kernels(args):
     device = torch.device(args.device)
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else \
         [2**20 * k for k in ((1, 4, 16, 64, 256) if device.type == "cuda" else (1, 4, 16, 64))]
+    if args.modes:
+        return bench_modes(device, sizes, getattr(torch, args.grad_dtype))
     impl = kernels.resolve_impl("auto", device)
     hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     copy_gbs = copy_bandwidth(device, max(sizes + [2**26]))  # >= 256 MB each way: bigger than any cache
@@ -119,6 +125,55 @@ def bench_kernels(args):
               f"{ms['foreach']:>22.2f} {ms['ours'] / ms['foreach']:>6.2f}")
         del master, grad, exp_avg, exp_avg_sq, param, p, fns
 
+
+# (name, master dtype, param dtype, state dtype, stochastic rounding): the first row is the one the others are timed against
+PRECISION_MODES = [
+    ("fp32 master -> bf16 param", torch.float32, torch.bfloat16, torch.float32, False),
+    ("fp32 master -> bf16, bf16 m/v", torch.float32, torch.bfloat16, torch.bfloat16, False),
+    ("fp32 master -> bf16, int8 m/v", torch.float32, torch.bfloat16, torch.uint8, False),
+    ("fp32 master, no param", torch.float32, None, torch.float32, False),
+    ("fp32 master -> fp16 param", torch.float32, torch.float16, torch.float32, False),
+    ("remainder + bf16 param", torch.int16, torch.bfloat16, torch.float32, False),
+    ("remainder, int8 m/v", torch.int16, torch.bfloat16, torch.uint8, False),
+    ("bf16 param only", None, torch.bfloat16, torch.float32, False),
+    ("bf16 param only, stochastic", None, torch.bfloat16, torch.float32, True),
+    ("bf16 param only, stoch., int8", None, torch.bfloat16, torch.uint8, True),
+]
+
+
+def bytes_moved(master, param, state, grad):
+    """Bytes per element one step must move: master and m/v read + written, the param written (and read when it
+    holds the weights: no fp32 master), the grad read; int8 state adds an fp32 absmax per 256 elements."""
+    nbytes = lambda dtype: dtype.itemsize if dtype else 0
+    state_bytes = nbytes(state) + (4 / 256 if state == torch.uint8 else 0)
+    reads_param = master != torch.float32
+    return 2 * nbytes(master) + (1 + reads_param) * nbytes(param) + nbytes(grad) + 4 * state_bytes
+
+
+def bench_modes(device, sizes, grad_dtype):
+    impl = kernels.resolve_impl("auto", device)
+    print(f"device {device} | impl {impl} | grads {grad_dtype} | ratio: time / the first row's time on the same n")
+    print(f"{'n':>11} {'mode':<31} {'B/elem':>7} {'ms':>8} {'ratio':>6}")
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    for n in sizes:
+        n = n // 256 * 256  # int8 state works in blocks of 256
+        torch.manual_seed(0)
+        weights, grad = torch.randn(n, device=device), torch.randn(n, device=device).to(grad_dtype)
+        fns = {}
+        for name, master_dtype, param_dtype, state_dtype, stochastic in PRECISION_MODES:
+            master = None if master_dtype is None else torch.zeros(n, device=device, dtype=master_dtype)
+            param = None if param_dtype is None else weights.to(param_dtype)
+            state = [torch.zeros(n, device=device, dtype=state_dtype) for _ in range(2)]
+            absmax = [torch.zeros(n // 256, device=device) for _ in range(2)] if state_dtype == torch.uint8 else None
+            fns[name] = functools.partial(kernels.adamw_step, master, grad, *state, param, torch.zeros(1, device=device),
+                                          decay_numel=n * 3 // 4, step=10, absmax=absmax, impl=impl,
+                                          rounding_seed=1234 if stochastic else None, **hp)
+        ms = time_ms(fns, device, repeats=max(10, min(100, 2**26 // n)))
+        for name, master_dtype, param_dtype, state_dtype, _ in PRECISION_MODES:
+            moved = bytes_moved(master_dtype, param_dtype, state_dtype, grad_dtype)
+            print(f"{n:>11,} {name:<31} {moved:>7.2f} {ms[name]:>8.2f} {ms[name] / ms[PRECISION_MODES[0][0]]:>6.2f}")
+        del fns
+
 # ----------------------------------------------------------------------------
 # the dispatcher: one entry per mode, each a function taking the parsed args
 
@@ -130,6 +185,8 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", default=None, help="comma-separated shard sizes, e.g. 1M,4M,16M")
     parser.add_argument("--grad_dtype", default="float32", choices=["float32", "bfloat16"],
                         help="kernels: the grad shard's dtype (torch's AdamW then also pays the cast to fp32)")
+    parser.add_argument("--modes", action="store_true",
+                        help="kernels: time every storage-precision mode against the fp32-master step instead")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
                         help="kernels: where to run (zero takes its device from the config: --set device=cuda)")
     bench_zero.add_arguments(parser)

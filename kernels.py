@@ -2,42 +2,330 @@
 One fused AdamW step over a rank's flat ZeRO shard, three ways:
 
     reference   plain PyTorch, in the op order of torch.optim.AdamW: the definition the kernels are tested against
-    cpu         a C++/OpenMP loop, built just-in-time with torch.utils.cpp_extension.load_inline
-    cuda        a CUDA kernel, same math, launched on the current stream
+    cpu         a C++/OpenMP loop, compiled with the system C++ compiler into a plain shared library (ctypes)
+    cuda        a CUDA kernel, same math, compiled with nvcc into a plain shared library, launched on the current stream
 
-One pass over memory reads master, grad, exp_avg, exp_avg_sq (fp32 master/m/v, fp32 or bf16 grad) and writes
-master, exp_avg, exp_avg_sq and the compute-dtype param shard (bf16 rounded to nearest-even, or fp32):
-per element 8 + 8 + 8 (master, m, v read+write) + 4 (fp32 grad) + 2 (bf16 param) = 30 bytes, where
-torch's fused AdamW followed by `param.copy_(master)` moves 28 + 6 = 34.
+The storage of the shard's weights and moments (its precision mode) is read from the tensors' dtypes:
+
+    master      fp32 (param: none, fp32, bf16 or fp16, written from it), int16 remainder (param bf16), or None (param bf16)
+    exp_avg/sq  fp32, bf16, or uint8 codes of a blockwise 8-bit code (256 elements per fp32 absmax)
+    grad        fp32 or bf16
+
+One pass over memory. fp32 master, m, v, grad and a bf16 param: per element 8 + 8 + 8 (master, m, v read+write)
++ 4 (grad) + 2 (param) = 30 bytes, where torch's fused AdamW followed by `param.copy_(master)` moves 28 + 6 = 34.
+Remainder master and uint8 state: 8 (bf16 param and remainder, read+write) + 4 (grad) + 4 (codes, read+write)
++ 4 * 4/256 (absmax) = 16.06 bytes.
 
     python -m pytest -q test_kernels.py
-    python bench.py kernels --sizes 1M,16M
+    python bench.py kernels --sizes 1M,16M [--modes]
 """
+import ctypes
+import fcntl
+import functools
+import hashlib
 import os
 import shutil
+import subprocess
+import tempfile
 import warnings
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 # ----------------------------------------------------------------------------
-# reference: the definition
+# precision modes: what a shard keeps per element, for the ZeRO layout and its memory tables
 
-def adamw_step_reference(master, grad, exp_avg, exp_avg_sq, param, found_inf, *,
-                         lr, beta1, beta2, eps, weight_decay, decay_numel, step, grad_scale=1.0):
-    """torch.optim.AdamW's single-tensor step on a flat shard, plus the grad scale, found_inf and the param cast."""
-    g = grad.float() * grad_scale  # unscale (loss scale, clip coefficient) before anything reads the grad
-    torch.maximum(found_inf, (~g.isfinite()).any().float(), out=found_inf)  # no host sync
-    master[:decay_numel].mul_(1 - lr * weight_decay)  # decoupled weight decay, decayed params only
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2 = 1 - beta2 ** step
-    denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
-    master.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-    param.copy_(master)  # fp32 -> bf16 rounds to nearest-even
+
+@dataclass(frozen=True)
+class Precision:
+    """How the optimizer stores the weights and Adam's moments.
+    master_weights: 'fp32' (a full fp32 copy), 'remainder' (the 16 bits a bf16 param lacks, [Note: remainder
+    master]) or 'none' (the bf16 params are the only copy); state_dtype: 'float32', 'bfloat16' or 'int8'
+    ([Note: 8-bit state]); stochastic_rounding: round the bf16 params stochastically (only without a master)."""
+    master_weights: str = 'fp32'
+    state_dtype: str = 'float32'
+    stochastic_rounding: bool = False
+
+    def check(self, param_dtype):
+        if self.master_weights not in ('fp32', 'remainder', 'none'):
+            raise ValueError(f"master_weights={self.master_weights!r}: use 'fp32', 'remainder' or 'none'")
+        if self.state_dtype not in ('float32', 'bfloat16', 'int8'):
+            raise ValueError(f"state_dtype={self.state_dtype!r}: use 'float32', 'bfloat16' or 'int8'")
+        if self.master_weights != 'fp32' and param_dtype != torch.bfloat16:
+            raise ValueError(f"master_weights={self.master_weights!r} keeps the weights in bf16 params, but "
+                             f"param_dtype is {param_dtype}: use param_dtype bfloat16 or master_weights='fp32'")
+        if self.stochastic_rounding and self.master_weights != 'none':
+            raise ValueError("stochastic_rounding rounds the only copy of the weights: it needs master_weights='none' "
+                             f"(got {self.master_weights!r}, whose params are rounded from a master)")
+
+    def master_dtype(self, param_dtype):
+        """torch.float32, torch.int16 (remainder) or None (no master, or fp32 params that are the master)."""
+        if self.master_weights == 'fp32':
+            return None if param_dtype == torch.float32 else torch.float32
+        return torch.int16 if self.master_weights == 'remainder' else None
+
+    @property
+    def state_torch_dtype(self):
+        return {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'int8': torch.uint8}[self.state_dtype]
+
+    @property
+    def align(self):
+        """Shard lengths must be a multiple of this: int8 blocks never straddle ranks."""
+        return 256 if self.state_dtype == 'int8' else 1
+
+    def bytes_per_element(self, param_dtype):
+        master = self.master_dtype(param_dtype)
+        state = {'float32': 4, 'bfloat16': 2, 'int8': 1 + 4 / 256}[self.state_dtype]  # int8: + one fp32 absmax per 256
+        return {'master': master.itemsize if master else 0, 'exp_avg': state, 'exp_avg_sq': state}
+
+    def label(self, population, param_dtype):
+        """A short name for tables: 'float32', 'int16 remainder', 'uint8+absmax', '(the params)', ..."""
+        if population != 'master':
+            return {'int8': 'uint8+absmax'}.get(self.state_dtype, self.state_dtype)
+        if self.master_weights == 'remainder':
+            return 'int16 remainder'
+        return 'float32' if self.master_dtype(param_dtype) else '(the params)'
+
+    def warning(self, param_dtype):
+        if self.master_weights == 'none' and self.state_dtype != 'float32':
+            return (f"master_weights='none' with {self.state_dtype} state keeps no fp32 copy of the weights and "
+                    "low-precision moments: in a public comparison of the same 8-bit AdamW with and without ZeRO-3's "
+                    "fp32 master weights, the run without them converged worse (master_weights='remainder' costs 2 B)")
+        return None
 
 # ----------------------------------------------------------------------------
-# kernel sources: one argument struct, the CPU loop, the CUDA kernels, the torch binding
+# the definitions, in torch: bf16 roundings, the remainder split, the rounding hash, the 8-bit code
+
+# [Note: one bf16 rounding rule]
+# With an fp32 master, the bf16 param is the master rounded half away from zero (RNA: add 0x8000 to the bits and
+# truncate), not to nearest-even. The remainder mode keeps only the bf16 param plus the low 16 bits of the fp32
+# master, and must write the same bf16 params as an fp32-master run, so that the two are bit-identical end to end.
+# A bf16 rounded to nearest-even cannot always be completed back to its fp32 by 16 bits: 65,537 fp32 values round to
+# each even bf16 (the ties from both sides), one too many. Rounded away from zero, the bf16 is the high half, or the
+# high half + 1 when bit 15 of the low half is set: the low half says which, so 16 bits suffice. NaN stays a (quiet)
+# NaN; a value that rounds past the largest finite bf16 becomes inf. Without a master the bf16 param is rounded to
+# nearest-even, or stochastically; bf16 moments to nearest-even; fp16 params to nearest-even (as .to(torch.float16)).
+
+
+def _unsigned(x):
+    """The bits of an fp32/int16/int32/bf16 tensor as non-negative int64, so that adds and shifts cannot overflow."""
+    return x.view({2: torch.int16, 4: torch.int32}[x.itemsize]).to(torch.int64) & ((1 << 8 * x.itemsize) - 1)
+
+
+def _from_unsigned(u, dtype):
+    """Inverse of _unsigned: non-negative int64 bit patterns -> a tensor of dtype with those bits."""
+    width = 8 * dtype.itemsize
+    signed = {16: torch.int16, 32: torch.int32}[width]
+    return (u - ((u >> (width - 1)) << width)).to(signed).view(dtype)
+
+
+def _round_bf16(x32, below):
+    """bf16 of fp32 bits + below (< 2^16), truncated; NaN -> quiet NaN (the add could carry a NaN into inf)."""
+    bits = _unsigned(x32)
+    return _from_unsigned(torch.where(x32.isnan(), (bits >> 16) | 0x40, (bits + below) >> 16), torch.bfloat16)
+
+
+def cast_param(master32, dtype):
+    """The compute param written from an fp32 master: bf16 rounded half away from zero ([Note: one bf16 rounding
+    rule]), fp16 rounded to nearest-even, fp32 a copy."""
+    return _round_bf16(master32, 0x8000) if dtype == torch.bfloat16 else master32.to(dtype, copy=True)
+
+
+# [Note: remainder master]
+# TransformerEngine's store_param_remainders: the fp32 master is the bf16 param's 16 bits as the high half and an
+# int16 "remainder" as the low half, 2 bytes per element instead of 4. The bf16 was rounded half away from zero, so
+# when bit 15 of the low half is set (the int16 is negative) the bf16 is one ulp above the high half: decoding
+# subtracts one first. E.g. 1.00390625 + 2^-17 = 0x3F808040 -> bf16 0x3F81, remainder 0x8040 (negative) ->
+# 0x3F81 - 1 = 0x3F80 -> 0x3F808040 again. Any write to the bf16 param outside the optimizer corrupts the master.
+
+def split_master(x32):
+    """fp32 -> (bf16 param, int16 remainder) with join_master(*split_master(x)) == x for every non-NaN x."""
+    return cast_param(x32, torch.bfloat16), _from_unsigned(_unsigned(x32) & 0xFFFF, torch.int16)
+
+
+def join_master(param, remainder):
+    """(bf16 param, int16 remainder) -> the fp32 master."""
+    high = (_unsigned(param) - (remainder < 0).long()) & 0xFFFF
+    return _from_unsigned((high << 16) | _unsigned(remainder), torch.float32)
+
+
+# [Note: stochastic rounding, reproducibly]
+# Without a master, a bf16 param rounded to nearest loses every update smaller than half its ulp. Stochastic rounding
+# adds a uniform 16-bit random number to the fp32 bits below the cut and truncates, so it rounds up in magnitude with
+# probability (discarded low 16 bits) / 2^16 and the expected bf16 is the fp32 value. The random number is the low
+# half of a hash of (rounding_seed, step, index in the full flat buffer): no RNG state, a resumed run re-rounds
+# identically, and it does not depend on how the buffer is sharded. The hash chains Chris Wellons' 32-bit integer
+# mixer "lowbias32" (x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16) over the index's low
+# half, its high half (models > 2^32 params), the step and the seed: h = mix(mix(mix(mix(lo) ^ hi) ^ step) ^ seed).
+
+def _mul32(x, c):
+    """x * c mod 2^32 for x < 2^32 in int64, without overflow: each partial product is < 2^48."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def _lowbias32(x):
+    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
+    x = _mul32(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def rounding_hash(seed, step, index):
+    """32 random bits (in int64) per element of index (int64 >= 0): [Note: stochastic rounding, reproducibly]."""
+    h = _lowbias32(_lowbias32(index & 0xFFFFFFFF) ^ (index >> 32))
+    return _lowbias32(_lowbias32(h ^ step) ^ seed)
+
+
+def round_stochastic(x32, seed, step, index_offset=0):
+    """fp32 (n,) -> bf16, each element up in magnitude with probability (its low 16 bits) / 2^16."""
+    index = torch.arange(x32.numel(), device=x32.device) + index_offset
+    return _round_bf16(x32, rounding_hash(seed, step, index) & 0xFFFF)
+
+
+# [Note: 8-bit state]
+# Blockwise 8-bit Adam (Dettmers et al., arXiv 2110.02861): each block of 256 consecutive elements keeps one fp32
+# absmax and 256 uint8 codes. A code indexes the "dynamic" map, 256 values in [-1, 1] (signed, for exp_avg) or
+# [0, 1] (unsigned, for exp_avg_sq) that are dense near 0, so small moments keep their relative precision. The value
+# of a code's bits: the sign bit (signed map), then a run of z zero bits giving the exponent 10^-z, an indicator 1
+# bit, and the remaining bits a linear fraction: the midpoints of 2^bits equal bins of [0.1, 1]. E.g. unsigned
+# 0b00101100: z = 2, the indicator, fraction bits 01100 = 12 of 5 -> 10^-2 * (0.1 + 0.9 * 12.5/32) = 0.0045156.
+# The two codes with no indicator bit within the 7 exponents hold 0 and 1 (so the element at the absmax is stored
+# exactly). The maps equal bitsandbytes' and torchao's create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)
+# bit for bit. Quantizing: absmax = max |x| over the block, xn = x / absmax (x / 1 for an all-zero block), and the
+# code is the nearest map value: the number of midpoints between adjacent map values strictly below xn (ties go to
+# the lower). The step dequantizes (map[code] * absmax), updates in fp32 and uses the new fp32 m and v for the param
+# update (as torchao's AdamW8bit does), then requantizes. Worst error: half the largest gap between codes, times absmax.
+
+# [Note: a code in two loads]
+# The code of xn is the number of midpoints below it, and a binary search over the 255 midpoints costs 8 dependent
+# loads per element. Instead, group the fp32 values by their top 16 bits (sign, exponent, 7 fraction bits): 2^16
+# buckets, each 1/256 to 1/128 of its values wide. No bucket holds two midpoints (the closest two are 0.9/128 apart,
+# near 1, where a bucket is 1/256 wide; _buckets checks it), so a 64 KB table of the count below each bucket plus one
+# compare with the next midpoint is exact: code = buckets[bits(xn) >> 16] + (midpoints[that] < xn), with a +inf after
+# the last midpoint. NaN buckets hold 255, as torch.searchsorted puts a NaN above every midpoint (xn = x / absmax is
+# never +-inf: an inf x makes absmax inf and xn NaN).
+
+def dynamic_map(signed):
+    """The 256 values of the 8-bit dynamic code, sorted ascending (fp32): [Note: 8-bit state]."""
+    magnitude_bits = 7 if signed else 8  # the unsigned map spends the sign bit on the fraction
+    values = []
+    for code in range(256):
+        magnitude = code & ((1 << magnitude_bits) - 1)
+        zeros = magnitude_bits - magnitude.bit_length()  # the exponent: 10^-zeros
+        if zeros >= 7:  # no indicator bit: the two codes left over hold 0 and +1
+            values.append(float(code != 0))
+            continue
+        fraction_bits = magnitude_bits - 1 - zeros
+        fraction = magnitude & ((1 << fraction_bits) - 1)
+        bins = torch.linspace(0.1, 1, 2 ** fraction_bits + 1)  # in fp32 as in the public definitions, so the maps match
+        value = ((bins[fraction] + bins[fraction + 1]) / 2 * 10.0 ** -zeros).item()
+        values.append(-value if signed and code >> 7 else value)
+    return torch.tensor(sorted(values))
+
+
+SIGNED_MAP, UNSIGNED_MAP = dynamic_map(signed=True), dynamic_map(signed=False)  # (256,) fp32 each
+
+
+def _midpoints(q):
+    return (q[:-1] + q[1:]) / 2  # (255,) fp32
+
+
+def _buckets(midpoints):
+    """(2^16,) uint8: how many midpoints lie below each bucket of the fp32 values that share their top 16 bits.
+    [Note: a code in two loads]"""
+    top = torch.arange(1 << 16)
+    negative = top >= 0x8000  # there the smallest value has the largest low half
+    lowest = _from_unsigned(torch.where(negative, top << 16 | 0xFFFF, top << 16), torch.float32)
+    highest = _from_unsigned(torch.where(negative, top << 16, top << 16 | 0xFFFF), torch.float32)
+    below = torch.searchsorted(midpoints, lowest)  # NaN buckets: 255, as for a NaN itself
+    assert (torch.searchsorted(midpoints, highest) - below).max() <= 1, "a bucket holds two midpoints"
+    return below.to(torch.uint8)
+
+
+@functools.lru_cache(maxsize=None)
+def _code_tables(device):
+    """The kernels' tables, on device: fp32 (1024,) = the signed and unsigned maps (256 each), then the midpoints of
+    each (255) followed by +inf; uint8 (2 * 2^16,) = the buckets of the signed, then the unsigned, midpoints."""
+    inf = torch.tensor([float("inf")])
+    signed, unsigned = _midpoints(SIGNED_MAP), _midpoints(UNSIGNED_MAP)
+    return (torch.cat([SIGNED_MAP, UNSIGNED_MAP, signed, inf, unsigned, inf]).to(device),
+            torch.cat([_buckets(signed), _buckets(unsigned)]).to(device))
+
+
+def quantize(x32, signed):
+    """fp32 (n,), n a multiple of 256 -> (uint8 codes (n,), fp32 absmax (n/256,)). NaNs are ignored by the absmax."""
+    blocks = x32.view(-1, 256)
+    absmax = torch.where(blocks.isnan(), 0.0, blocks.abs()).amax(dim=1)
+    scale = torch.where(absmax > 0, absmax, 1.0)
+    midpoints = _midpoints(SIGNED_MAP if signed else UNSIGNED_MAP).to(x32.device)
+    return torch.searchsorted(midpoints, blocks / scale[:, None]).to(torch.uint8).view(-1), absmax
+
+
+def dequantize(codes, absmax, signed):
+    """uint8 codes (n,) and fp32 absmax (n/256,) -> fp32 (n,)."""
+    values = (SIGNED_MAP if signed else UNSIGNED_MAP).to(codes.device)[codes.long()]
+    return (values.view(-1, 256) * absmax[:, None]).view(-1)
+
+# ----------------------------------------------------------------------------
+# reference: the definition
+
+
+def adamw_step_reference(master, grad, exp_avg, exp_avg_sq, param, found_inf, *, lr, beta1, beta2, eps, weight_decay,
+                         decay_numel, step, grad_scale=1.0, absmax=None, rounding_seed=None, index_offset=0):
+    """torch.optim.AdamW's single-tensor step on a flat shard, plus the grad scale, found_inf, and each storage mode's
+    decode before and encode after. With fp32 master and state it is torch's op order, on the tensors in place."""
+    g = grad.float() * grad_scale  # unscale (loss scale, clip coefficient) before anything reads the grad
+    torch.maximum(found_inf, (~g.isfinite()).any().float(), out=found_inf)  # no host sync
+    absmax = absmax or (None, None)
+    x = _load_weights(master, param)
+    m, v = _load_state(exp_avg, absmax[0], signed=True), _load_state(exp_avg_sq, absmax[1], signed=False)
+    x[:decay_numel].mul_(1 - lr * weight_decay)  # decoupled weight decay, decayed params only
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    denom = (v.sqrt() / bias_correction2 ** 0.5).add_(eps)
+    x.addcdiv_(m, denom, value=-lr / bias_correction1)
+    _store_state(m, exp_avg, absmax[0], signed=True)
+    _store_state(v, exp_avg_sq, absmax[1], signed=False)
+    _store_weights(x, master, param, rounding_seed, step, index_offset)
+
+
+def _load_weights(master, param):
+    """The fp32 weights: the master itself when it is fp32 (updated in place)."""
+    if master is None:
+        return param.float()
+    return join_master(param, master) if master.dtype == torch.int16 else master
+
+
+def _store_weights(x32, master, param, rounding_seed, step, index_offset):
+    if master is None:
+        param.copy_(x32.to(torch.bfloat16) if rounding_seed is None else
+                    round_stochastic(x32, rounding_seed, step, index_offset))
+    elif master.dtype == torch.int16:
+        high, low = split_master(x32)
+        param.copy_(high)
+        master.copy_(low)
+    elif param is not None:
+        param.copy_(cast_param(x32, param.dtype))
+
+
+def _load_state(state, absmax, signed):
+    if state.dtype == torch.uint8:
+        return dequantize(state, absmax, signed)
+    return state if state.dtype == torch.float32 else state.float()
+
+
+def _store_state(x32, state, absmax, signed):
+    if state.dtype == torch.uint8:
+        codes, new_absmax = quantize(x32, signed)
+        state.copy_(codes)
+        absmax.copy_(new_absmax)
+    elif state is not x32:
+        state.copy_(x32)  # bf16: rounded to nearest-even
+
+# ----------------------------------------------------------------------------
+# kernel sources: the shared part (args, roundings, policies, the element update), the CPU loop, the CUDA kernels
 
 # [Note: weight decay as one index]
 # A per-element decay mask would cost a byte per element of reading. The ZeRO layout sorts params so that
@@ -46,265 +334,489 @@ def adamw_step_reference(master, grad, exp_avg, exp_avg_sq, param, found_inf, *,
 # E.g. a shard of 10 elements holding the last 6 of a weight and a 4-element bias: decay_numel = 6.
 # The cheaper equivalent of the mask: the CPU runs two loops, the GPU does one compare per element.
 
-ARGS_STRUCT = r"""
+# Compiled twice: by g++ into the CPU library and by nvcc into the CUDA one (HD = __host__ __device__), so the two
+# share every rounding and the update itself. The CPU loop and the CUDA kernels differ only in how they walk memory.
+COMMON_SOURCE = r"""
 #include <stdint.h>
-// One step over a flat shard of n elements. The binding fills this from tensors and Python floats.
+#include <stddef.h>
+#include <string.h>
+#include <math.h>
+#include <type_traits>
+#ifdef __CUDACC__
+#define HD __host__ __device__ __forceinline__
+#else
+#define HD inline
+#endif
+
+// One step over a flat shard of n elements; kernels.AdamWArgs mirrors it field for field.
 struct AdamWArgs {
-  float* master; float* exp_avg; float* exp_avg_sq;  // fp32 (n,), read and written
-  const void* grad;     // fp32 or bf16 (n,), read
-  void* param;          // fp32 or bf16 (n,), written; may alias master when both are fp32
-  float* found_inf;     // (1,): set to 1.0 if any scaled grad is inf/nan, never reset
+  void* master;          // fp32 or int16 remainder (n,), or null
+  void* param;           // fp32, bf16 or fp16 (n,), or null
+  const void* grad;      // fp32 or bf16 (n,)
+  void* exp_avg; void* exp_avg_sq;  // fp32, bf16 or uint8 codes (n,)
+  float* exp_avg_absmax; float* exp_avg_sq_absmax;  // uint8 state: (n / 256,)
+  const float* tables;   // uint8 state: the maps and midpoints (kernels._code_tables)
+  const uint8_t* buckets;  // uint8 state: [Note: a code in two loads]
+  float* found_inf;      // (1,): set to 1.0 if any scaled grad is inf/nan, never reset
   int64_t n, decay_numel;  // elements [0, decay_numel) get weight decay
-  int grad_bf16, param_bf16;
+  int64_t index_offset;  // the shard's offset in the flat buffer, for the rounding hash
+  int32_t grad_kind, state_kind, weights_kind;  // which template instance: see dispatch()
+  uint32_t seed, step;   // stochastic rounding: [Note: stochastic rounding, reproducibly]
   // the step's constants, computed in double and rounded to float as torch's AdamW does
   float grad_scale, one_minus_beta1, beta2, one_minus_beta2, eps;
   float decay;                  // 1 - lr * weight_decay
   float step_size;              // lr / (1 - beta1^step)
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
 };
+extern "C" size_t adamw_args_size() { return sizeof(AdamWArgs); }
+
+// 16-bit floats as their bits, so the same types work in host and device code. Empty: a stream the mode lacks.
+struct bf16 { uint16_t bits; };
+struct fp16 { uint16_t bits; };
+struct Empty {};
+template <class T> HD T get(const void* p, int64_t i) {
+  if constexpr (std::is_same<T, Empty>::value) return {}; else return ((const T*)p)[i];
+}
+template <class T> HD void put(void* p, int64_t i, T x) {
+  if constexpr (!std::is_same<T, Empty>::value) ((T*)p)[i] = x;
+}
+
+HD uint32_t bits_of(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
+HD float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+HD float to_float(float x) { return x; }
+HD float to_float(bf16 x) { return float_of((uint32_t)x.bits << 16); }
+
+// bf16 = the top half of the fp32 bits after adding `below` (< 2^16): 0x8000 rounds half away from zero,
+// 0x7FFF + the lowest kept bit to nearest-even, a random number stochastically. [Note: one bf16 rounding rule]
+HD bf16 bf16_round(float x, uint32_t below) {
+  const uint32_t b = bits_of(x);
+  const bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;  // the add could carry a NaN into inf: keep it a quiet NaN
+  return {(uint16_t)(nan ? (b >> 16) | 0x40u : (b + below) >> 16)};
+}
+HD bf16 bf16_nearest_even(float x) { return bf16_round(x, 0x7FFFu + ((bits_of(x) >> 16) & 1u)); }
+HD bf16 bf16_away(float x) { return bf16_round(x, 0x8000u); }
+
+// fp32 -> fp16, round to nearest-even, denormals, inf and NaN included (as .to(torch.float16)). Both roundings are
+// computed and one selected, without branches, so the CPU loop stays vectorized.
+HD fp16 fp16_nearest_even(float x) {
+  const uint32_t b = bits_of(x), a = b & 0x7FFFFFFFu;
+  // >= 2^-14, a normal fp16: rebias the exponent 127 -> 15 and round at bit 13, as bf16_nearest_even at bit 16
+  const uint32_t normal = (a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+  // below, a denormal fp16: a multiple of 2^-24, to which the FPU rounds |x| + 0.5 (whose ulp is 2^-24)
+  const uint32_t denormal = bits_of(float_of(a) + 0.5f) - 0x3F000000u;
+  const uint32_t h = a > 0x7F800000u ? 0x7E00u                // NaN -> quiet NaN
+                   : a >= 0x477FF000u ? 0x7C00u               // >= 65520, the tie between 65504 and 2^16: inf
+                   : a >= 0x38800000u ? normal : denormal;
+  return {(uint16_t)((b >> 16 & 0x8000u) | h)};
+}
+
+HD uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16; return x;
+}
+HD uint32_t rounding_hash(uint32_t seed, uint32_t step, int64_t index) {
+  const uint32_t h = lowbias32(lowbias32((uint32_t)index) ^ (uint32_t)((uint64_t)index >> 32));
+  return lowbias32(lowbias32(h ^ step) ^ seed);
+}
+
+// Weights policies: where the fp32 weights come from and where they go. param_t is read only if reads_param.
+HD void cast(float, Empty&) {}
+HD void cast(float x, float& p) { p = x; }
+HD void cast(float x, bf16& p) { p = bf16_away(x); }
+HD void cast(float x, fp16& p) { p = fp16_nearest_even(x); }
+
+template <class P> struct Fp32Master {  // the fp32 master, and a compute param (none, fp32, bf16, fp16) cast from it
+  using master_t = float; using param_t = P; static constexpr bool reads_param = false;
+  static HD float load(float master, P) { return master; }
+  static HD void store(const AdamWArgs&, int64_t, float x, float& master, P& param) { master = x; cast(x, param); }
+};
+struct Remainder {  // [Note: remainder master]
+  using master_t = int16_t; using param_t = bf16; static constexpr bool reads_param = true;
+  static HD float load(int16_t low, bf16 param) {
+    const uint32_t high = (uint16_t)(param.bits - (low < 0));  // a negative remainder: the bf16 was rounded up
+    return float_of(high << 16 | (uint16_t)low);
+  }
+  static HD void store(const AdamWArgs&, int64_t, float x, int16_t& low, bf16& param) {
+    param = bf16_away(x);
+    low = (int16_t)(uint16_t)bits_of(x);
+  }
+};
+template <bool stochastic> struct NoMaster {  // the bf16 param is the only copy of the weights
+  using master_t = Empty; using param_t = bf16; static constexpr bool reads_param = true;
+  static HD float load(Empty, bf16 param) { return to_float(param); }
+  static HD void store(const AdamWArgs& a, int64_t i, float x, Empty&, bf16& param) {
+    param = stochastic ? bf16_round(x, rounding_hash(a.seed, a.step, a.index_offset + i) & 0xFFFFu)
+                       : bf16_nearest_even(x);
+  }
+};
+
+// The moments: fp32 or bf16 (rounded to nearest-even) per element; uint8 per block, in the kernels' block paths,
+// with the code tables at these offsets in args.tables and args.buckets (kernels._code_tables)
+enum { SIGNED_MAP = 0, UNSIGNED_MAP = 256, SIGNED_MIDPOINTS = 512, UNSIGNED_MIDPOINTS = 768 };
+enum { SIGNED_BUCKETS = 0, UNSIGNED_BUCKETS = 1 << 16 };
+HD void from_float(float x, float& out) { out = x; }
+HD void from_float(float x, bf16& out) { out = bf16_nearest_even(x); }
+HD float magnitude(float x) { const float y = fabsf(x); return y > 0.0f ? y : 0.0f; }  // NaN -> 0: absmax ignores it
+HD float dequantize(uint8_t code, float absmax, const float* map) { return map[code] * absmax; }
+HD uint8_t quantize(float x, float absmax, const float* midpoints, const uint8_t* buckets) {
+  const float xn = x / (absmax > 0.0f ? absmax : 1.0f);
+  const int below = buckets[bits_of(xn) >> 16];  // the midpoints below xn's bucket; at most one more is in it
+  return (uint8_t)(below + (midpoints[below] < xn));  // midpoints[255] is +inf
+}
+
+// The update of one element, in the reference's op order. Each op rounds once (the CPU build has -ffp-contract=off,
+// the CUDA one --fmad=false; sqrtf and / are IEEE); the two fmaf are where torch's own CPU kernels fuse (lerp,
+// addcmul), so exp_avg and exp_avg_sq match torch bit for bit. Returns true if the scaled grad is inf or nan.
+template <class W>
+HD bool adamw_element(const AdamWArgs& a, int64_t i, float decay, float grad, float& m, float& v,
+                      typename W::master_t& master, typename W::param_t& param) {
+  const float g = grad * a.grad_scale;
+  m = fmaf(a.one_minus_beta1, g - m, m);          // exp_avg.lerp_(g, 1 - beta1)
+  v = fmaf(a.one_minus_beta2 * g, g, v * a.beta2);  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
+  const float denom = sqrtf(v) / a.bias_correction2_sqrt + a.eps;
+  const float x = W::load(master, param) * decay - a.step_size * m / denom;  // mul_(decay).addcdiv_(m, denom, -step_size)
+  W::store(a, i, x, master, param);
+  return (bits_of(g) & 0x7F800000u) == 0x7F800000u;
+}
+
+// Calls f(grad type, state type, weights policy) for the kinds in the args: 2 x 3 x 7 = 42 instances, one switch.
+template <class F> auto dispatch(const AdamWArgs& a, F f) {
+  auto with_weights = [&](auto grad, auto state) {
+    switch (a.weights_kind) {  // kernels._WEIGHTS_KINDS
+      case 1: return f(grad, state, Fp32Master<float>{});
+      case 2: return f(grad, state, Fp32Master<bf16>{});
+      case 3: return f(grad, state, Fp32Master<fp16>{});
+      case 4: return f(grad, state, Remainder{});
+      case 5: return f(grad, state, NoMaster<false>{});
+      case 6: return f(grad, state, NoMaster<true>{});
+      default: return f(grad, state, Fp32Master<Empty>{});
+    }
+  };
+  auto with_state = [&](auto grad) {
+    return a.state_kind == 2 ? with_weights(grad, uint8_t{}) :
+           a.state_kind == 1 ? with_weights(grad, bf16{}) : with_weights(grad, float{});
+  };
+  return a.grad_kind == 1 ? with_state(bf16{}) : with_state(float{});
+}
 """
 
-CPU_SOURCE = r"""
-#include <cmath>
-#include <cstring>
+CPU_SOURCE = COMMON_SOURCE + r"""
 #include <algorithm>
 #include <omp.h>
 
-// bf16 is the top half of an fp32: widening is a shift, narrowing rounds off the low 16 bits.
-static inline float load(const float* x, int64_t i) { return x[i]; }
-static inline float load(const uint16_t* x, int64_t i) {
-  uint32_t bits = (uint32_t)x[i] << 16;
-  float f; std::memcpy(&f, &bits, 4); return f;
-}
-static inline void store(float* x, int64_t i, float f) { x[i] = f; }
-static inline void store(uint16_t* x, int64_t i, float f) {
-  uint32_t bits; std::memcpy(&bits, &f, 4);
-  // round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, then truncate.
-  // 0x3F808000 (a tie) -> 0x3F80, 0x3F818000 (a tie) -> 0x3F82, 0x3F808001 -> 0x3F81
-  uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  // the add could carry a NaN's payload into inf: keep NaN a (quiet) NaN instead
-  bool is_nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
-  x[i] = (uint16_t)(is_nan ? ((bits >> 16) | 0x40u) : rounded);
-}
-
 // Elements [begin, end) with one decay factor; returns 1 if any scaled grad was inf/nan.
-// Built with -ffp-contract=off, so each op rounds like the reference's separate torch ops; the two std::fma
-// are where torch's own CPU kernels fuse (lerp, addcmul), so exp_avg and exp_avg_sq match torch bit for bit.
-template <typename grad_t, typename param_t>
-static int adamw_range(const AdamWArgs& a, int64_t begin, int64_t end, float decay) {
-  // locals, so the compiler knows our stores cannot change them (keeps the loop vectorized)
-  float* master = a.master; float* exp_avg = a.exp_avg; float* exp_avg_sq = a.exp_avg_sq;
-  const grad_t* grad = (const grad_t*)a.grad;
-  param_t* param = (param_t*)a.param;
-  const float grad_scale = a.grad_scale, w1 = a.one_minus_beta1, beta2 = a.beta2, w2 = a.one_minus_beta2;
-  const float eps = a.eps, step_size = a.step_size, bc2_sqrt = a.bias_correction2_sqrt;
+template <class G, class S, class W>
+static int adamw_range(const AdamWArgs& args, int64_t begin, int64_t end, float decay) {
+  const AdamWArgs a = args;  // a local copy: our stores cannot change it, which keeps the loop vectorized
+  using M = typename W::master_t; using P = typename W::param_t;
+  S* exp_avg = (S*)a.exp_avg; S* exp_avg_sq = (S*)a.exp_avg_sq;
   int bad = 0;
   #pragma omp simd reduction(|:bad)
   for (int64_t i = begin; i < end; ++i) {
-    float g = load(grad, i) * grad_scale;
-    bad |= !std::isfinite(g);
-    float m = std::fma(w1, g - exp_avg[i], exp_avg[i]);        // exp_avg.lerp_(g, 1 - beta1)
-    float v = std::fma(w2 * g, g, exp_avg_sq[i] * beta2);     // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
-    float denom = std::sqrt(v) / bc2_sqrt + eps;
-    float p = master[i] * decay - step_size * m / denom;      // param.mul_(decay).addcdiv_(m, denom, -step_size)
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
-    master[i] = p;
-    store(param, i, p);
+    float m = to_float(exp_avg[i]), v = to_float(exp_avg_sq[i]);
+    M master = get<M>(a.master, i);
+    P param = W::reads_param ? get<P>(a.param, i) : P{};
+    bad |= adamw_element<W>(a, i, decay, to_float(((const G*)a.grad)[i]), m, v, master, param);
+    from_float(m, exp_avg[i]); from_float(v, exp_avg_sq[i]);
+    put(a.master, i, master); put(a.param, i, param);
   }
   return bad;
 }
 
-template <typename grad_t, typename param_t>
+// uint8 state: one 256-element block in two passes over local arrays: dequantize, update and find the new absmax;
+// then requantize with it. [Note: 8-bit state]
+template <class G, class W>
+static int adamw_block(const AdamWArgs& args, int64_t block) {
+  const AdamWArgs a = args;
+  using M = typename W::master_t; using P = typename W::param_t;
+  uint8_t* codes_m = (uint8_t*)a.exp_avg + block * 256; uint8_t* codes_v = (uint8_t*)a.exp_avg_sq + block * 256;
+  const float old_absmax_m = a.exp_avg_absmax[block], old_absmax_v = a.exp_avg_sq_absmax[block];
+  float m[256], v[256], absmax_m = 0.0f, absmax_v = 0.0f;
+  int bad = 0;
+  #pragma omp simd reduction(|:bad) reduction(max:absmax_m, absmax_v)
+  for (int j = 0; j < 256; ++j) {
+    const int64_t i = block * 256 + j;
+    m[j] = dequantize(codes_m[j], old_absmax_m, a.tables + SIGNED_MAP);
+    v[j] = dequantize(codes_v[j], old_absmax_v, a.tables + UNSIGNED_MAP);
+    M master = get<M>(a.master, i);
+    P param = W::reads_param ? get<P>(a.param, i) : P{};
+    const float decay = i < a.decay_numel ? a.decay : 1.0f;
+    bad |= adamw_element<W>(a, i, decay, to_float(((const G*)a.grad)[i]), m[j], v[j], master, param);
+    put(a.master, i, master); put(a.param, i, param);
+    absmax_m = std::max(absmax_m, magnitude(m[j])); absmax_v = std::max(absmax_v, magnitude(v[j]));
+  }
+  #pragma omp simd
+  for (int j = 0; j < 256; ++j) {
+    codes_m[j] = quantize(m[j], absmax_m, a.tables + SIGNED_MIDPOINTS, a.buckets + SIGNED_BUCKETS);
+    codes_v[j] = quantize(v[j], absmax_v, a.tables + UNSIGNED_MIDPOINTS, a.buckets + UNSIGNED_BUCKETS);
+  }
+  a.exp_avg_absmax[block] = absmax_m; a.exp_avg_sq_absmax[block] = absmax_v;
+  return bad;
+}
+
+template <class G, class S, class W>
 static void adamw_cpu(const AdamWArgs& a) {
   int bad = 0;
-  // One thread team per call (below ~64K elements a team costs more than it saves). Each thread takes a
-  // contiguous chunk, a multiple of 32 elements (64 B of bf16) so threads do not share cache lines, and cuts
-  // it at decay_numel: [decayed | not decayed] -> two vectorized loops, no per-element test.
-  // E.g. n = 100000, decay_numel = 70000, 2 threads: chunk 50016, thread 0 [0, 50016) all decayed,
-  // thread 1 [50016, 70000) decayed + [70000, 100000) not.
-  #pragma omp parallel reduction(|:bad) if(a.n > 65536)
-  {
-    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t chunk = ((a.n + threads - 1) / threads + 31) / 32 * 32;
-    const int64_t lo = std::min(a.n, t * chunk), hi = std::min(a.n, lo + chunk);
-    const int64_t cut = std::clamp(a.decay_numel, lo, hi);
-    bad |= adamw_range<grad_t, param_t>(a, lo, cut, a.decay);
-    bad |= adamw_range<grad_t, param_t>(a, cut, hi, 1.0f);
+  if constexpr (std::is_same<S, uint8_t>::value) {
+    #pragma omp parallel for reduction(|:bad) if(a.n > 65536)
+    for (int64_t block = 0; block < a.n / 256; ++block) bad |= adamw_block<G, W>(a, block);
+  } else {
+    // One thread team per call (below ~64K elements a team costs more than it saves). Each thread takes a
+    // contiguous chunk, a multiple of 32 elements (64 B of bf16) so threads do not share cache lines, and cuts
+    // it at decay_numel: [decayed | not decayed] -> two vectorized loops, no per-element test.
+    // E.g. n = 100000, decay_numel = 70000, 2 threads: chunk 50016, thread 0 [0, 50016) all decayed,
+    // thread 1 [50016, 70000) decayed + [70000, 100000) not.
+    #pragma omp parallel reduction(|:bad) if(a.n > 65536)
+    {
+      const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+      const int64_t chunk = ((a.n + threads - 1) / threads + 31) / 32 * 32;
+      const int64_t lo = std::min(a.n, t * chunk), hi = std::min(a.n, lo + chunk);
+      const int64_t cut = std::clamp(a.decay_numel, lo, hi);
+      bad |= adamw_range<G, S, W>(a, lo, cut, a.decay);
+      bad |= adamw_range<G, S, W>(a, cut, hi, 1.0f);
+    }
   }
   if (bad) *a.found_inf = 1.0f;
 }
 
-void adamw_launch(const AdamWArgs& a) {
-  if (a.grad_bf16) a.param_bf16 ? adamw_cpu<uint16_t, uint16_t>(a) : adamw_cpu<uint16_t, float>(a);
-  else             a.param_bf16 ? adamw_cpu<float, uint16_t>(a) : adamw_cpu<float, float>(a);
+extern "C" int adamw_step(const AdamWArgs* a, void* stream) {
+  dispatch(*a, [&](auto grad, auto state, auto weights) {
+    adamw_cpu<decltype(grad), decltype(state), decltype(weights)>(*a);
+    return 0;
+  });
+  return 0;
 }
 """
 
-# Pure CUDA, no torch headers: `nvcc -c -arch=sm_90 adamw.cu` compiles it on its own (test_kernels.py does).
-CUDA_SOURCE = r"""
-#include <cuda_runtime.h>
-#include <cuda_bf16.h>
-#include <stdint.h>
-""" + ARGS_STRUCT + r"""
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ void from_float(float x, float& out) { out = x; }
-__device__ __forceinline__ void from_float(float x, __nv_bfloat16& out) { out = __float2bfloat16_rn(x); }
-
-// The CPU loop's math for one element, rounded the same way: sqrtf and / are IEEE-rounded (no --use_fast_math)
-// and --fmad=false leaves only the explicit fmaf's fused.
-template <typename grad_t, typename param_t>
-__device__ __forceinline__ bool adamw_element(const AdamWArgs& a, int64_t i, float& master, float& m,
-                                              float& v, grad_t grad, param_t& param) {
-  float g = to_float(grad) * a.grad_scale;
-  m = fmaf(a.one_minus_beta1, g - m, m);
-  v = fmaf(a.one_minus_beta2 * g, g, v * a.beta2);
-  float denom = sqrtf(v) / a.bias_correction2_sqrt + a.eps;
-  float decay = i < a.decay_numel ? a.decay : 1.0f;  // [Note: weight decay as one index]
-  master = master * decay - a.step_size * m / denom;
-  from_float(master, param);
-  return !isfinite(g);
-}
-
+# Pure CUDA, no torch headers (nvcc includes cuda_runtime.h itself). test_kernels.py also compiles it with g++,
+# the CUDA built-ins emulated, to run it on the host.
+CUDA_SOURCE = COMMON_SOURCE + r"""
 // N elements per thread, loaded as one N * sizeof(T)-byte access: N = 4 gives 16-byte loads of the fp32
 // streams (8-byte for bf16); N = 1 is the path for any length and any alignment.
-template <typename T, int N> struct alignas(N * sizeof(T)) Vec { T x[N]; };
+template <class T, int N> struct alignas(N * sizeof(T)) Vec { T x[N]; };
+template <class T, int N> __device__ __forceinline__ Vec<T, N> load(const void* p, int64_t i) {
+  if constexpr (std::is_same<T, Empty>::value) return {}; else return *(const Vec<T, N>*)((const T*)p + i);
+}
+template <class T, int N> __device__ __forceinline__ void store(void* p, int64_t i, const Vec<T, N>& x) {
+  if constexpr (!std::is_same<T, Empty>::value) *(Vec<T, N>*)((T*)p + i) = x;
+}
 
-template <typename grad_t, typename param_t, int N>
+template <class G, class S, class W, int N>
 __global__ void adamw_kernel(const AdamWArgs a, int64_t begin, int64_t end) {
+  using M = typename W::master_t; using P = typename W::param_t;
   const int64_t i = begin + N * ((int64_t)blockIdx.x * blockDim.x + threadIdx.x);
   bool bad = false;
   if (i < end) {  // end - begin is a multiple of N
-    Vec<float, N> master = *(const Vec<float, N>*)(a.master + i);
-    Vec<float, N> m = *(const Vec<float, N>*)(a.exp_avg + i);
-    Vec<float, N> v = *(const Vec<float, N>*)(a.exp_avg_sq + i);
-    Vec<grad_t, N> grad = *(const Vec<grad_t, N>*)((const grad_t*)a.grad + i);
-    Vec<param_t, N> param;
+    Vec<G, N> grad = load<G, N>(a.grad, i);
+    Vec<S, N> m = load<S, N>(a.exp_avg, i), v = load<S, N>(a.exp_avg_sq, i);
+    Vec<M, N> master = load<M, N>(a.master, i);
+    Vec<P, N> param = W::reads_param ? load<P, N>(a.param, i) : Vec<P, N>{};
     #pragma unroll
-    for (int k = 0; k < N; ++k)
-      bad |= adamw_element(a, i + k, master.x[k], m.x[k], v.x[k], grad.x[k], param.x[k]);
-    *(Vec<float, N>*)(a.master + i) = master;
-    *(Vec<float, N>*)(a.exp_avg + i) = m;
-    *(Vec<float, N>*)(a.exp_avg_sq + i) = v;
-    *(Vec<param_t, N>*)((param_t*)a.param + i) = param;
+    for (int k = 0; k < N; ++k) {
+      float mk = to_float(m.x[k]), vk = to_float(v.x[k]);
+      const float decay = i + k < a.decay_numel ? a.decay : 1.0f;  // [Note: weight decay as one index]
+      bad |= adamw_element<W>(a, i + k, decay, to_float(grad.x[k]), mk, vk, master.x[k], param.x[k]);
+      from_float(mk, m.x[k]); from_float(vk, v.x[k]);
+    }
+    store(a.exp_avg, i, m); store(a.exp_avg_sq, i, v); store(a.master, i, master); store(a.param, i, param);
   }
   // one write per block, of the same value by any block that saw a bad grad: no atomics, no host sync
   if (__syncthreads_or(bad) && threadIdx.x == 0) *a.found_inf = 1.0f;
 }
 
+// uint8 state: one 256-thread block per 256-element quantization block. [Note: 8-bit state]
+template <class G, class W>
+__global__ void adamw_block_kernel(const AdamWArgs a) {
+  using M = typename W::master_t; using P = typename W::param_t;
+  __shared__ float absmax[2][256];  // exp_avg's and exp_avg_sq's, reduced in place
+  const int t = threadIdx.x;
+  const int64_t block = blockIdx.x, i = block * 256 + t;
+  float m = dequantize(((const uint8_t*)a.exp_avg)[i], a.exp_avg_absmax[block], a.tables + SIGNED_MAP);
+  float v = dequantize(((const uint8_t*)a.exp_avg_sq)[i], a.exp_avg_sq_absmax[block], a.tables + UNSIGNED_MAP);
+  M master = get<M>(a.master, i);
+  P param = W::reads_param ? get<P>(a.param, i) : P{};
+  const float decay = i < a.decay_numel ? a.decay : 1.0f;
+  const bool bad = adamw_element<W>(a, i, decay, to_float(get<G>(a.grad, i)), m, v, master, param);
+  put(a.master, i, master); put(a.param, i, param);
+  absmax[0][t] = magnitude(m); absmax[1][t] = magnitude(v);
+  __syncthreads();
+  for (int half = 128; half > 0; half >>= 1) {  // 256 -> 128 -> ... -> 1; max is exact, so any order gives the CPU's
+    if (t < half) {
+      absmax[0][t] = fmaxf(absmax[0][t], absmax[0][t + half]);
+      absmax[1][t] = fmaxf(absmax[1][t], absmax[1][t + half]);
+    }
+    __syncthreads();
+  }
+  ((uint8_t*)a.exp_avg)[i] = quantize(m, absmax[0][0], a.tables + SIGNED_MIDPOINTS, a.buckets + SIGNED_BUCKETS);
+  ((uint8_t*)a.exp_avg_sq)[i] = quantize(v, absmax[1][0], a.tables + UNSIGNED_MIDPOINTS, a.buckets + UNSIGNED_BUCKETS);
+  if (t == 0) { a.exp_avg_absmax[block] = absmax[0][0]; a.exp_avg_sq_absmax[block] = absmax[1][0]; }
+  if (__syncthreads_or(bad) && t == 0) *a.found_inf = 1.0f;
+}
+
 static bool aligned(const void* p, int bytes) { return (uintptr_t)p % bytes == 0; }
 
-template <typename grad_t, typename param_t>
+template <class G, class S, class W>
 static cudaError_t launch(const AdamWArgs& a, cudaStream_t stream) {
   const int threads = 256;
-  // a shard view that starts at an odd offset takes the N = 1 path for all of it
-  const bool vec_ok = aligned(a.master, 16) && aligned(a.exp_avg, 16) && aligned(a.exp_avg_sq, 16) &&
-                      aligned(a.grad, 4 * sizeof(grad_t)) && aligned(a.param, 4 * sizeof(param_t));
-  const int64_t n_vec = vec_ok ? a.n / 4 * 4 : 0;  // e.g. n = 4097: 4096 in the vector kernel, 1 in the tail
-  if (n_vec > 0)
-    adamw_kernel<grad_t, param_t, 4><<<(unsigned)((n_vec / 4 + threads - 1) / threads), threads, 0, stream>>>(a, 0, n_vec);
-  if (a.n > n_vec)
-    adamw_kernel<grad_t, param_t, 1><<<(unsigned)((a.n - n_vec + threads - 1) / threads), threads, 0, stream>>>(a, n_vec, a.n);
+  if constexpr (std::is_same<S, uint8_t>::value) {
+    if (a.n > 0) adamw_block_kernel<G, W><<<(unsigned)(a.n / 256), threads, 0, stream>>>(a);
+  } else {
+    // a shard view that starts at an odd offset takes the N = 1 path for all of it
+    const bool vec_ok = aligned(a.grad, 4 * sizeof(G)) && aligned(a.exp_avg, 4 * sizeof(S)) &&
+                        aligned(a.exp_avg_sq, 4 * sizeof(S)) && aligned(a.master, 4 * sizeof(typename W::master_t)) &&
+                        aligned(a.param, 4 * sizeof(typename W::param_t));
+    const int64_t n_vec = vec_ok ? a.n / 4 * 4 : 0;  // e.g. n = 4097: 4096 in the vector kernel, 1 in the tail
+    if (n_vec > 0)
+      adamw_kernel<G, S, W, 4><<<(unsigned)((n_vec / 4 + threads - 1) / threads), threads, 0, stream>>>(a, 0, n_vec);
+    if (a.n > n_vec)
+      adamw_kernel<G, S, W, 1><<<(unsigned)((a.n - n_vec + threads - 1) / threads), threads, 0, stream>>>(a, n_vec, a.n);
+  }
   return cudaGetLastError();
 }
 
-cudaError_t adamw_cuda(const AdamWArgs& a, cudaStream_t stream) {
-  if (a.grad_bf16) return a.param_bf16 ? launch<__nv_bfloat16, __nv_bfloat16>(a, stream) : launch<__nv_bfloat16, float>(a, stream);
-  return a.param_bf16 ? launch<float, __nv_bfloat16>(a, stream) : launch<float, float>(a, stream);
+extern "C" int adamw_step(const AdamWArgs* a, void* stream) {
+  return dispatch(*a, [&](auto grad, auto state, auto weights) {
+    return (int)launch<decltype(grad), decltype(state), decltype(weights)>(*a, (cudaStream_t)stream);
+  });
 }
+extern "C" const char* adamw_error_string(int error) { return cudaGetErrorString((cudaError_t)error); }
 """
 
-CUDA_GLUE = r"""
-#include <c10/cuda/CUDAStream.h>  // c10::cuda::getCurrentCUDAStream is at::cuda::getCurrentCUDAStream
-cudaError_t adamw_cuda(const AdamWArgs& a, cudaStream_t stream);  // in CUDA_SOURCE
-void adamw_launch(const AdamWArgs& a) {
-  cudaError_t err = adamw_cuda(a, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "nanozero adamw kernel launch failed: ", cudaGetErrorString(err));
-}
-"""
 
-# The checks live here, next to the raw pointers, so a bad call fails loudly instead of corrupting memory.
-BINDING = r"""
-#include <torch/extension.h>
-#include <cmath>
-void adamw_launch(const AdamWArgs& a);  // the CPU loop or the CUDA glue, compiled after this
-
-void adamw_step(torch::Tensor master, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
-                torch::Tensor param, torch::Tensor found_inf, int64_t decay_numel, int64_t step,
-                double lr, double beta1, double beta2, double eps, double weight_decay, double grad_scale) {
-  const int64_t n = master.numel();
-  for (const torch::Tensor& t : {master, grad, exp_avg, exp_avg_sq, param})
-    TORCH_CHECK(t.is_contiguous() && t.numel() == n && t.device() == master.device(),
-                "adamw_step: shard tensors must be contiguous, with master's numel and device");
-  for (const torch::Tensor& t : {master, exp_avg, exp_avg_sq, found_inf})
-    TORCH_CHECK(t.scalar_type() == torch::kFloat32, "adamw_step: master, exp_avg, exp_avg_sq, found_inf must be fp32");
-  for (const torch::Tensor& t : {grad, param})
-    TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16,
-                "adamw_step: grad and param must be fp32 or bf16");
-  TORCH_CHECK(found_inf.numel() == 1 && found_inf.device() == master.device(), "adamw_step: found_inf must be (1,) on master's device");
-  TORCH_CHECK(0 <= decay_numel && decay_numel <= n, "adamw_step: need 0 <= decay_numel <= numel");
-  const c10::OptionalDeviceGuard device_guard(master.device());
-  AdamWArgs a;
-  a.master = master.data_ptr<float>(); a.exp_avg = exp_avg.data_ptr<float>(); a.exp_avg_sq = exp_avg_sq.data_ptr<float>();
-  a.grad = grad.data_ptr(); a.param = param.data_ptr(); a.found_inf = found_inf.data_ptr<float>();
-  a.n = n; a.decay_numel = decay_numel;
-  a.grad_bf16 = grad.scalar_type() == torch::kBFloat16; a.param_bf16 = param.scalar_type() == torch::kBFloat16;
-  // the same double arithmetic as adamw_step_reference, then one rounding to float
-  a.grad_scale = (float)grad_scale; a.one_minus_beta1 = (float)(1 - beta1);
-  a.beta2 = (float)beta2; a.one_minus_beta2 = (float)(1 - beta2); a.eps = (float)eps;
-  a.decay = (float)(1 - lr * weight_decay);
-  a.step_size = (float)(lr / (1 - std::pow(beta1, (double)step)));
-  a.bias_correction2_sqrt = (float)std::pow(1 - std::pow(beta2, (double)step), 0.5);
-  adamw_launch(a);
-}
-"""
+class AdamWArgs(ctypes.Structure):
+    """The C struct AdamWArgs, field for field; each library's adamw_args_size() is checked against it at load."""
+    _fields_ = [(name, ctypes.c_void_p) for name in ("master", "param", "grad", "exp_avg", "exp_avg_sq",
+                                                     "exp_avg_absmax", "exp_avg_sq_absmax", "tables", "buckets",
+                                                     "found_inf")] + \
+               [(name, ctypes.c_int64) for name in ("n", "decay_numel", "index_offset")] + \
+               [(name, ctypes.c_int32) for name in ("grad_kind", "state_kind", "weights_kind")] + \
+               [(name, ctypes.c_uint32) for name in ("seed", "step")] + \
+               [(name, ctypes.c_float) for name in ("grad_scale", "one_minus_beta1", "beta2", "one_minus_beta2", "eps",
+                                                    "decay", "step_size", "bias_correction2_sqrt")]
 
 # ----------------------------------------------------------------------------
-# build once per process (load_inline caches the .so on disk, so later processes only load it)
+# build: plain shared libraries, cached on disk, loaded with ctypes
 
-CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]  # -fno-math-errno lets sqrt vectorize
+# [Note: plain shared libraries]
+# The sources include no torch headers, so a build is one compiler call: measured on 2 cores, 2.6 s for the CPU
+# library (g++ 12, all 42 instances) and 3.8 s for the CUDA one (nvcc 13, sm_90), where torch.utils.cpp_extension
+# (torch's headers, ninja) took 25-40 s for the CPU one alone. Python fills the args struct from tensors and
+# calls an extern "C" entry point through ctypes. The CUDA library links the *shared* cudart, so it uses the
+# libcudart that torch has already loaded, and launches on torch's current stream. The file name carries a hash of
+# everything that changes the binary: source, flags, compiler and version, the CPU's ISA level (-march=native code
+# only runs on CPUs like the one that built it) or the GPU archs. Many ranks starting at once: one takes a file lock
+# and builds into a temporary file that it renames into place; the others wait on the lock, then find it built.
+
+CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"]  # -fno-math-errno: sqrt vectorizes
 CUDA_FLAGS = ["-O3", "--fmad=false"]  # no fma contraction beyond the explicit ones, as in the CPU build
+SHARED_FLAGS = {"cpu": ["-std=c++17", "-shared", "-fPIC"],
+                "cuda": ["-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "shared"]}  # torch's cudart
 
-_EXTENSIONS = {}  # 'cpu' / 'cuda' -> the built module, or the RuntimeError its build raised
+
+def _compiler(impl):
+    """(path, version) of the compiler for impl; RuntimeError with a one-line reason if there is none."""
+    if impl == "cpu":
+        name = os.environ.get("CXX", "c++")
+        path = shutil.which(name)
+        if path is None:
+            raise RuntimeError(f"no C++ compiler ({name}) on PATH")
+    else:
+        cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+        path = shutil.which("nvcc") or shutil.which(os.path.join(cuda_home, "bin", "nvcc"))
+        if path is None:
+            raise RuntimeError("no CUDA toolkit: nvcc is not on PATH nor in $CUDA_HOME/bin")
+    return path, _version(path)
+
+
+@functools.lru_cache(maxsize=None)
+def _version(compiler):
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.strip()
+
+
+def _cuda_arch_flags():
+    """-gencode flags for TORCH_CUDA_ARCH_LIST (e.g. "8.0;9.0+PTX"), or for this GPU: sm_90 on H100/H200."""
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not archs:
+        if not torch.cuda.is_available():
+            raise RuntimeError("no GPU to build for: set TORCH_CUDA_ARCH_LIST, e.g. 9.0")
+        archs = "%d.%d" % torch.cuda.get_device_capability()
+    flags = []
+    for arch in archs.replace(";", " ").replace(",", " ").split():
+        sm = arch.removesuffix("+PTX").replace(".", "")  # "9.0" -> "90", "9.0a" -> "90a"
+        flags.append(f"-gencode=arch=compute_{sm},code=sm_{sm}")
+        if arch.endswith("+PTX"):
+            flags.append(f"-gencode=arch=compute_{sm},code=compute_{sm}")
+    return flags
+
+
+def _command(impl):
+    """The compiler call, less its output and input files."""
+    compiler, _ = _compiler(impl)
+    if impl == "cpu":
+        return [compiler, *CPU_FLAGS, *SHARED_FLAGS["cpu"]]
+    return [compiler, *CUDA_FLAGS, *_cuda_arch_flags(), *SHARED_FLAGS["cuda"]]
+
+
+def cache_path(impl):
+    """Where the library for impl ('cpu' or 'cuda') is cached: ~/.cache/nanozero/ or $NANOZERO_CACHE. If it does not
+    exist yet, the first adamw_step builds it (seconds: [Note: plain shared libraries]), so a caller can say so first.
+    RuntimeError with the reason if impl cannot be built here (no compiler; for 'cuda' no GPU and no arch list)."""
+    source = CPU_SOURCE if impl == "cpu" else CUDA_SOURCE
+    isa = torch.backends.cpu.get_cpu_capability() if impl == "cpu" else ""
+    key = "\0".join([source, *_command(impl), _compiler(impl)[1], isa])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("NANOZERO_CACHE") or Path.home() / ".cache" / "nanozero")
+    return cache / f"adamw_{impl}_{digest}.so"
+
+
+def compile_library(source, command, path):
+    """Compile source with command (the compiler and its flags) into the shared library path, once: [Note: plain
+    shared libraries]. RuntimeError with the compiler's first error line if it fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a killed process exits
+        if path.exists():
+            return  # another process built it while we waited
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            src, out = Path(tmp) / ("adamw.cu" if "nvcc" in command[0] else "adamw.cpp"), Path(tmp) / "adamw.so"
+            src.write_text(source)
+            result = subprocess.run([*command, "-o", str(out), str(src)], capture_output=True, text=True)
+            if result.returncode != 0:
+                lines = (result.stderr + result.stdout).splitlines() or [f"exit code {result.returncode}"]
+                raise RuntimeError(next((line for line in lines if "error" in line), lines[0]).strip()[:300])
+            os.replace(out, path)
+
+
+class Library:
+    """A built kernel library, loaded with ctypes: step(args, stream) runs one AdamW step."""
+
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.adamw_step.argtypes = [ctypes.POINTER(AdamWArgs), ctypes.c_void_p]
+        self.lib.adamw_args_size.restype = ctypes.c_size_t
+        size = self.lib.adamw_args_size()
+        if size != ctypes.sizeof(AdamWArgs):
+            raise RuntimeError(f"{path}: the C AdamWArgs is {size} bytes but kernels.AdamWArgs is "
+                               f"{ctypes.sizeof(AdamWArgs)}: the two must list the same fields")
+
+    def step(self, args, stream=None):
+        error = self.lib.adamw_step(ctypes.byref(args), stream)
+        if error:  # only the CUDA library returns errors: a cudaError_t
+            self.lib.adamw_error_string.restype = ctypes.c_char_p
+            raise RuntimeError(f"nanozero adamw kernel launch failed: {self.lib.adamw_error_string(error).decode()}")
+
+
+_LIBRARIES = {}  # 'cpu' / 'cuda' -> the loaded Library, or the RuntimeError its build raised
 
 
 def _build(impl):
-    """Compile (or load from the torch extensions dir) one extension; RuntimeError with a one-line reason.
-    Building the CUDA one needs nvcc and a CUDA build of torch, not a GPU (set TORCH_CUDA_ARCH_LIST, e.g. "9.0")."""
-    from torch.utils import cpp_extension
-    if not cpp_extension.is_ninja_available():
-        raise RuntimeError("ninja not found (pip install ninja)")
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
-    if impl == "cuda" and torch.version.cuda is None:
-        raise RuntimeError(f"torch {torch.__version__} is a CPU-only build")
-    if impl == "cuda" and cpp_extension.CUDA_HOME is None:
-        raise RuntimeError("no CUDA toolkit (nvcc) found")
-    # Concurrent ranks are fine: load_inline holds a file lock in the build dir, one process compiles and
-    # the others wait and load the result (a rank killed mid-build can leave a stale `lock` file behind).
+    """Build (or find in the cache) and load one library; RuntimeError with a one-line reason.
+    Building the CUDA one needs nvcc, not a GPU (set TORCH_CUDA_ARCH_LIST, e.g. "9.0")."""
     try:
-        if impl == "cpu":
-            # -march=native code only runs on CPUs like this one: the ISA level in the name keeps a shared
-            # extensions dir from handing an AVX-512 build to an AVX2 machine
-            isa = torch.backends.cpu.get_cpu_capability().lower()
-            return cpp_extension.load_inline(
-                name=f"nanozero_adamw_cpu_{isa}", cpp_sources=[ARGS_STRUCT + BINDING + CPU_SOURCE],
-                functions=["adamw_step"], extra_cflags=CPU_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
-        # unless told otherwise, build for this GPU only: "9.0" (sm_90) on H100/H200; the arch list is in the
-        # name so builds for different GPUs sharing an extensions dir do not overwrite each other
-        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):  # load_inline reads it from the environment
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "%d.%d" % torch.cuda.get_device_capability()
-        arch = os.environ["TORCH_CUDA_ARCH_LIST"]
-        return cpp_extension.load_inline(
-            name="nanozero_adamw_cuda_" + "".join(c if c.isalnum() else "_" for c in arch),
-            cpp_sources=[ARGS_STRUCT + BINDING + CUDA_GLUE],
-            cuda_sources=[CUDA_SOURCE], functions=["adamw_step"],
-            extra_cflags=["-O3"], extra_cuda_cflags=CUDA_FLAGS, verbose=False)
-    except Exception as e:  # the compiler's first "error:" line says more than "Error building extension"
-        lines = str(e).splitlines() or [type(e).__name__]
-        reason = next((line for line in lines if "error:" in line), lines[0]).strip()
-        raise RuntimeError(f"{impl} build failed: {reason[:300]}") from e
+        path = cache_path(impl)
+        compile_library(CPU_SOURCE if impl == "cpu" else CUDA_SOURCE, _command(impl), path)
+        return Library(path)
+    except (RuntimeError, OSError) as e:
+        raise RuntimeError(f"{impl} build failed: {e}") from e
 
 
 def resolve_impl(name="auto", device=torch.device("cpu")):
@@ -317,85 +829,112 @@ def resolve_impl(name="auto", device=torch.device("cpu")):
     kernel = torch.device(device).type if name == "auto" else name
     if kernel not in ("cpu", "cuda"):
         return "reference"  # e.g. 'auto' on a meta device: there is no kernel to try
-    first_try = kernel not in _EXTENSIONS
+    first_try = kernel not in _LIBRARIES
     if first_try:
         try:
             if kernel == "cuda" and not torch.cuda.is_available():
                 raise RuntimeError("no CUDA device (torch.cuda.is_available() is False)")
-            _EXTENSIONS[kernel] = _build(kernel)
+            _LIBRARIES[kernel] = _build(kernel)
         except RuntimeError as e:
-            _EXTENSIONS[kernel] = e
-    if not isinstance(_EXTENSIONS[kernel], RuntimeError):
+            _LIBRARIES[kernel] = e
+    if not isinstance(_LIBRARIES[kernel], RuntimeError):
         return kernel
     if name != "auto":
-        raise RuntimeError(f"kernels: impl={name!r} is not available: {_EXTENSIONS[kernel]}")
+        raise RuntimeError(f"kernels: impl={name!r} is not available: {_LIBRARIES[kernel]}")
     if first_try:
-        warnings.warn(f"kernels: using the PyTorch reference AdamW step: {_EXTENSIONS[kernel]}", stacklevel=2)
+        warnings.warn(f"kernels: using the PyTorch reference AdamW step: {_LIBRARIES[kernel]}", stacklevel=2)
     return "reference"
 
 # ----------------------------------------------------------------------------
 # the API zero.py calls
 
-def adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, *,
-               lr, beta1, beta2, eps, weight_decay, decay_numel, step, grad_scale=1.0, impl="auto"):
-    """master/exp_avg/exp_avg_sq: fp32 1-D contiguous (n,); grad: fp32|bf16 (n,); param: fp32|bf16 (n,) output
-    (may be a contiguous view into a bigger buffer); found_inf: fp32 (1,). step is the 1-based step count for
-    bias correction. Elements i < decay_numel get weight decay ([Note: weight decay as one index]).
-    grad is multiplied by grad_scale first, so loss-scale unscaling and the clip coefficient are free.
-    found_inf is set to 1.0 if any scaled grad is inf/nan and never reset: check it once after all buckets.
-    The outputs are written either way."""
-    if not 0 <= decay_numel <= master.numel():
-        raise ValueError(f"decay_numel={decay_numel} is outside [0, {master.numel()}]")
-    impl = resolve_impl(impl, master.device)
+_GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+_STATE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
+# (master dtype, param dtype) -> the C++ weights policy; 6 is (None, bf16) rounded stochastically
+_WEIGHTS_KINDS = {(torch.float32, None): 0, (torch.float32, torch.float32): 1, (torch.float32, torch.bfloat16): 2,
+                  (torch.float32, torch.float16): 3, (torch.int16, torch.bfloat16): 4, (None, torch.bfloat16): 5}
+
+
+def _dtype(t):
+    return None if t is None else t.dtype
+
+
+def _check(tensors, decay_numel, rounding_seed):
+    """What the kernels assume before they take raw pointers: ValueError / TypeError naming the tensor."""
+    grad, exp_avg, uint8 = tensors["grad"], tensors["exp_avg"], tensors["exp_avg"].dtype == torch.uint8
+    n = grad.numel()
+    if grad.dtype not in _GRAD_KINDS:
+        raise TypeError(f"adamw_step: grad must be float32 or bfloat16, got {grad.dtype}")
+    if exp_avg.dtype not in _STATE_KINDS or tensors["exp_avg_sq"].dtype != exp_avg.dtype:
+        raise TypeError("adamw_step: exp_avg and exp_avg_sq must both be float32, both bfloat16 or both uint8, got "
+                        f"{exp_avg.dtype} and {tensors['exp_avg_sq'].dtype}")
+    weights = (_dtype(tensors["master"]), _dtype(tensors["param"]))
+    if weights not in _WEIGHTS_KINDS:
+        raise TypeError(f"adamw_step: (master, param) dtypes {weights} are not a mode; use one of {list(_WEIGHTS_KINDS)}")
+    if uint8 and (n % 256 or tensors["exp_avg_absmax"] is None):
+        raise ValueError(f"adamw_step: uint8 state needs n a multiple of 256 (blocks of 256; pad the shard to "
+                         f"Precision.align) and absmax=(exp_avg_absmax, exp_avg_sq_absmax): got n={n}")
+    if not uint8 and tensors["exp_avg_absmax"] is not None:
+        raise ValueError("adamw_step: absmax is only for uint8 state")
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        numel = 1 if name == "found_inf" else n // 256 if name.endswith("absmax") else n
+        if t.device != grad.device or t.numel() != numel or not t.is_contiguous():
+            raise ValueError(f"adamw_step: {name} must be contiguous with {numel} elements on {grad.device}, "
+                             f"got {'a non-contiguous' if not t.is_contiguous() else 'a'} {tuple(t.shape)} on {t.device}")
+        if t.dtype != torch.float32 and (name == "found_inf" or name.endswith("absmax")):
+            raise TypeError(f"adamw_step: {name} must be float32, got {t.dtype}")
+    if rounding_seed is not None and (tensors["master"] is not None or not 0 <= rounding_seed < 2**32):
+        raise ValueError("adamw_step: rounding_seed (an int in [0, 2^32)) rounds a bf16 param that has no master; "
+                         f"got rounding_seed={rounding_seed} with master {weights[0]}")
+    if not 0 <= decay_numel <= n:
+        raise ValueError(f"adamw_step: decay_numel={decay_numel} is outside [0, {n}]")
+
+
+def _pack(tensors, hp):
+    """The C args for one step: pointers, kinds, and the step's constants in double, rounded to float by ctypes."""
+    a = AdamWArgs(**{name: None if t is None else t.data_ptr() for name, t in tensors.items()})
+    if tensors["exp_avg"].dtype == torch.uint8:
+        a.tables, a.buckets = (t.data_ptr() for t in _code_tables(tensors["grad"].device))
+    a.n, a.decay_numel, a.index_offset = tensors["grad"].numel(), hp["decay_numel"], hp["index_offset"]
+    a.grad_kind, a.state_kind = _GRAD_KINDS[tensors["grad"].dtype], _STATE_KINDS[tensors["exp_avg"].dtype]
+    a.weights_kind = 6 if hp["rounding_seed"] is not None else \
+        _WEIGHTS_KINDS[_dtype(tensors["master"]), _dtype(tensors["param"])]
+    a.seed, a.step = hp["rounding_seed"] or 0, hp["step"]
+    beta1, beta2, lr = hp["beta1"], hp["beta2"], hp["lr"]
+    a.grad_scale, a.one_minus_beta1, a.beta2, a.one_minus_beta2 = hp["grad_scale"], 1 - beta1, beta2, 1 - beta2
+    a.eps, a.decay = hp["eps"], 1 - lr * hp["weight_decay"]
+    a.step_size = lr / (1 - beta1 ** hp["step"])
+    a.bias_correction2_sqrt = (1 - beta2 ** hp["step"]) ** 0.5
+    return a
+
+
+def adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, *, lr, beta1, beta2, eps, weight_decay,
+               decay_numel, step, grad_scale=1.0, absmax=None, rounding_seed=None, index_offset=0, impl="auto"):
+    """One AdamW step on a flat shard of n elements, all tensors 1-D contiguous on one device; the mode is read from
+    the dtypes (module docstring). master: fp32, int16 remainder or None; param: None, fp32, bf16 or fp16 (written;
+    also read when master is int16 or None; may be a view into a bigger buffer); grad: fp32 or bf16; exp_avg,
+    exp_avg_sq: both fp32, bf16 or uint8, with absmax=(exp_avg_absmax, exp_avg_sq_absmax) fp32 (n/256,) for uint8;
+    found_inf: fp32 (1,). step is the 1-based step count for bias correction. Elements i < decay_numel get weight
+    decay ([Note: weight decay as one index]). grad is multiplied by grad_scale first, so loss-scale unscaling and
+    the clip coefficient are free. found_inf is set to 1.0 if any scaled grad is inf/nan and never reset: check it
+    once after all buckets. The outputs are written either way. With master None, rounding_seed (int) rounds the
+    param stochastically at index_offset + i ([Note: stochastic rounding, reproducibly])."""
+    exp_avg_absmax, exp_avg_sq_absmax = absmax or (None, None)
+    tensors = dict(master=master, param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                   exp_avg_absmax=exp_avg_absmax, exp_avg_sq_absmax=exp_avg_sq_absmax, found_inf=found_inf)
+    _check(tensors, decay_numel, rounding_seed)
+    hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decay_numel=decay_numel, step=step,
+              grad_scale=grad_scale, rounding_seed=rounding_seed, index_offset=index_offset)
+    impl = resolve_impl(impl, grad.device)
     if impl == "reference":
-        adamw_step_reference(master, grad, exp_avg, exp_avg_sq, param, found_inf, lr=lr, beta1=beta1, beta2=beta2,
-                             eps=eps, weight_decay=weight_decay, decay_numel=decay_numel, step=step, grad_scale=grad_scale)
+        adamw_step_reference(master, grad, exp_avg, exp_avg_sq, param, found_inf, absmax=absmax, **hp)
         return
-    if impl != master.device.type:
-        raise ValueError(f"impl={impl!r} cannot run on {master.device} tensors")
-    _EXTENSIONS[impl].adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, decay_numel, step,
-                                 lr, beta1, beta2, eps, weight_decay, grad_scale)
-
-# ----------------------------------------------------------------------------
-# TEMPORARY stand-ins for the precision API being built on branch kernels-modes (replaced wholesale on merge)
-from dataclasses import dataclass as _dataclass
-
-_old_adamw_step = adamw_step
-
-
-def adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, *, absmax=None, rounding_seed=None,
-               index_offset=0, **kw):
-    assert absmax is None and rounding_seed is None and master is not None
-    if param is None:
-        param = master
-    _old_adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, **kw)
-
-
-def cast_param(master, dtype):
-    return master.to(dtype, copy=True)
-
-
-@_dataclass(frozen=True)
-class Precision:
-    master_weights: str = 'fp32'
-    state_dtype: str = 'float32'
-    stochastic_rounding: bool = False
-
-    def check(self, param_dtype):
-        if (self.master_weights, self.state_dtype, self.stochastic_rounding) != ('fp32', 'float32', False):
-            raise ValueError("precision modes are not merged yet")
-
-    def master_dtype(self, param_dtype):
-        return None if param_dtype == torch.float32 else torch.float32
-
-    state_torch_dtype = torch.float32
-    align = 1
-
-    def bytes_per_element(self, param_dtype):
-        return {'master': 0 if param_dtype == torch.float32 else 4, 'exp_avg': 4, 'exp_avg_sq': 4}
-
-    def label(self, population, param_dtype):
-        return '(the params)' if population == 'master' and param_dtype == torch.float32 else 'float32'
-
-    def warning(self, param_dtype):
-        return None
+    if impl != grad.device.type:
+        raise ValueError(f"impl={impl!r} cannot run on {grad.device} tensors")
+    if impl == "cpu":
+        _LIBRARIES["cpu"].step(_pack(tensors, hp))
+        return
+    with torch.cuda.device(grad.device):
+        _LIBRARIES["cuda"].step(_pack(tensors, hp), torch.cuda.current_stream().cuda_stream)
