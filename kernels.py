@@ -277,8 +277,8 @@ def adamw_step_reference(master, grad, exp_avg, exp_avg_sq, param, found_inf, *,
     g = grad.float() * grad_scale  # unscale (loss scale, clip coefficient) before anything reads the grad
     torch.maximum(found_inf, (~g.isfinite()).any().float(), out=found_inf)  # no host sync
     absmax = absmax or (None, None)
-    x = _load_weights(master, param)
-    m, v = _load_state(exp_avg, absmax[0], signed=True), _load_state(exp_avg_sq, absmax[1], signed=False)
+    x = load_weights(master, param)
+    m, v = load_state(exp_avg, absmax[0], signed=True), load_state(exp_avg_sq, absmax[1], signed=False)
     x[:decay_numel].mul_(1 - lr * weight_decay)  # decoupled weight decay, decayed params only
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -286,19 +286,23 @@ def adamw_step_reference(master, grad, exp_avg, exp_avg_sq, param, found_inf, *,
     bias_correction2 = 1 - beta2 ** step
     denom = (v.sqrt() / bias_correction2 ** 0.5).add_(eps)
     x.addcdiv_(m, denom, value=-lr / bias_correction1)
-    _store_state(m, exp_avg, absmax[0], signed=True)
-    _store_state(v, exp_avg_sq, absmax[1], signed=False)
-    _store_weights(x, master, param, rounding_seed, step, index_offset)
+    store_state(m, exp_avg, absmax[0], signed=True)
+    store_state(v, exp_avg_sq, absmax[1], signed=False)
+    store_weights(x, master, param, rounding_seed, step, index_offset)
 
 
-def _load_weights(master, param):
-    """The fp32 weights: the master itself when it is fp32 (updated in place)."""
+# The codec of each mode, for whole shards: the reference step below, and zero.py / checkpoint.py (which store the
+# initial weights, and weights and moments read from a checkpoint of another layout) use these four.
+
+def load_weights(master, param):
+    """The fp32 weights of a shard from what it stores: the master itself when it is fp32 (a view, not a copy)."""
     if master is None:
         return param.float()
     return join_master(param, master) if master.dtype == torch.int16 else master
 
 
-def _store_weights(x32, master, param, rounding_seed, step, index_offset):
+def store_weights(x32, master, param, rounding_seed=None, step=0, index_offset=0):
+    """Store fp32 weights in the shard's form: fp32 master (+ its param rounding), remainder, or the bf16 params."""
     if master is None:
         param.copy_(x32.to(torch.bfloat16) if rounding_seed is None else
                     round_stochastic(x32, rounding_seed, step, index_offset))
@@ -306,17 +310,20 @@ def _store_weights(x32, master, param, rounding_seed, step, index_offset):
         high, low = split_master(x32)
         param.copy_(high)
         master.copy_(low)
-    elif param is not None:
-        param.copy_(cast_param(x32, param.dtype))
+    else:
+        if master is not x32:
+            master.copy_(x32)
+        if param is not None:
+            param.copy_(cast_param(x32, param.dtype))
 
 
-def _load_state(state, absmax, signed):
+def load_state(state, absmax, signed):
     if state.dtype == torch.uint8:
         return dequantize(state, absmax, signed)
     return state if state.dtype == torch.float32 else state.float()
 
 
-def _store_state(x32, state, absmax, signed):
+def store_state(x32, state, absmax, signed):
     if state.dtype == torch.uint8:
         codes, new_absmax = quantize(x32, signed)
         state.copy_(codes)
@@ -334,352 +341,20 @@ def _store_state(x32, state, absmax, signed):
 # E.g. a shard of 10 elements holding the last 6 of a weight and a 4-element bias: decay_numel = 6.
 # The cheaper equivalent of the mask: the CPU runs two loops, the GPU does one compare per element.
 
-# Compiled twice: by g++ into the CPU library and by nvcc into the CUDA one (HD = __host__ __device__), so the two
-# share every rounding and the update itself. The CPU loop and the CUDA kernels differ only in how they walk memory.
-COMMON_SOURCE = r"""
-#include <stdint.h>
-#include <stddef.h>
-#include <string.h>
-#include <math.h>
-#include <type_traits>
-#ifdef __CUDACC__
-#define HD __host__ __device__ __forceinline__
-#else
-#define HD inline
-#endif
+# The sources are in csrc/: adamw_common.h is compiled twice, by g++ into the CPU library (adamw_cpu.cpp) and by nvcc
+# into the CUDA one (adamw.cu; HD = __host__ __device__), so the two share every rounding and the update itself. The
+# CPU loop and the CUDA kernels differ only in how they walk memory.
+CSRC = Path(__file__).resolve().parent / "csrc"
 
-// One step over a flat shard of n elements; kernels.AdamWArgs mirrors it field for field.
-struct AdamWArgs {
-  void* master;          // fp32 or int16 remainder (n,), or null
-  void* param;           // fp32, bf16 or fp16 (n,), or null
-  const void* grad;      // fp32 or bf16 (n,)
-  void* exp_avg; void* exp_avg_sq;  // fp32, bf16 or uint8 codes (n,)
-  float* exp_avg_absmax; float* exp_avg_sq_absmax;  // uint8 state: (n / 256,)
-  const float* tables;   // uint8 state: the maps and midpoints (kernels._code_tables)
-  const uint8_t* buckets;  // uint8 state: [Note: a code in two loads]
-  float* found_inf;      // (1,): set to 1.0 if any scaled grad is inf/nan, never reset
-  int64_t n, decay_numel;  // elements [0, decay_numel) get weight decay
-  int64_t index_offset;  // the shard's offset in the flat buffer, for the rounding hash
-  int32_t grad_kind, state_kind, weights_kind;  // which template instance: see dispatch()
-  uint32_t seed, step;   // stochastic rounding: [Note: stochastic rounding, reproducibly]
-  // the step's constants, computed in double and rounded to float as torch's AdamW does
-  float grad_scale, one_minus_beta1, beta2, one_minus_beta2, eps;
-  float decay;                  // 1 - lr * weight_decay
-  float step_size;              // lr / (1 - beta1^step)
-  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
-};
-extern "C" size_t adamw_args_size() { return sizeof(AdamWArgs); }
 
-// 16-bit floats as their bits, so the same types work in host and device code. Empty: a stream the mode lacks.
-struct bf16 { uint16_t bits; };
-struct fp16 { uint16_t bits; };
-struct Empty {};
-template <class T> HD T get(const void* p, int64_t i) {
-  if constexpr (std::is_same<T, Empty>::value) return {}; else return ((const T*)p)[i];
-}
-template <class T> HD void put(void* p, int64_t i, T x) {
-  if constexpr (!std::is_same<T, Empty>::value) ((T*)p)[i] = x;
-}
+def _source(name):
+    """A file of csrc/ with its #include "adamw_common.h" inlined: one self-contained text per library, which is
+    what the build compiles and hashes (test_kernels.py also compiles the CUDA text for the host)."""
+    return (CSRC / name).read_text().replace('#include "adamw_common.h"', (CSRC / "adamw_common.h").read_text())
 
-HD uint32_t bits_of(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
-HD float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
-HD float to_float(float x) { return x; }
-HD float to_float(bf16 x) { return float_of((uint32_t)x.bits << 16); }
 
-// bf16 = the top half of the fp32 bits after adding `below` (< 2^16): 0x8000 rounds half away from zero,
-// 0x7FFF + the lowest kept bit to nearest-even, a random number stochastically. [Note: one bf16 rounding rule]
-HD bf16 bf16_round(float x, uint32_t below) {
-  const uint32_t b = bits_of(x);
-  const bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;  // the add could carry a NaN into inf: keep it a quiet NaN
-  return {(uint16_t)(nan ? (b >> 16) | 0x40u : (b + below) >> 16)};
-}
-HD bf16 bf16_nearest_even(float x) { return bf16_round(x, 0x7FFFu + ((bits_of(x) >> 16) & 1u)); }
-HD bf16 bf16_away(float x) { return bf16_round(x, 0x8000u); }
-
-// fp32 -> fp16, round to nearest-even, denormals, inf and NaN included (as .to(torch.float16)). Both roundings are
-// computed and one selected, without branches, so the CPU loop stays vectorized.
-HD fp16 fp16_nearest_even(float x) {
-  const uint32_t b = bits_of(x), a = b & 0x7FFFFFFFu;
-  // >= 2^-14, a normal fp16: rebias the exponent 127 -> 15 and round at bit 13, as bf16_nearest_even at bit 16
-  const uint32_t normal = (a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13;
-  // below, a denormal fp16: a multiple of 2^-24, to which the FPU rounds |x| + 0.5 (whose ulp is 2^-24)
-  const uint32_t denormal = bits_of(float_of(a) + 0.5f) - 0x3F000000u;
-  const uint32_t h = a > 0x7F800000u ? 0x7E00u                // NaN -> quiet NaN
-                   : a >= 0x477FF000u ? 0x7C00u               // >= 65520, the tie between 65504 and 2^16: inf
-                   : a >= 0x38800000u ? normal : denormal;
-  return {(uint16_t)((b >> 16 & 0x8000u) | h)};
-}
-
-HD uint32_t lowbias32(uint32_t x) {
-  x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16; return x;
-}
-HD uint32_t rounding_hash(uint32_t seed, uint32_t step, int64_t index) {
-  const uint32_t h = lowbias32(lowbias32((uint32_t)index) ^ (uint32_t)((uint64_t)index >> 32));
-  return lowbias32(lowbias32(h ^ step) ^ seed);
-}
-
-// Weights policies: where the fp32 weights come from and where they go. param_t is read only if reads_param.
-HD void cast(float, Empty&) {}
-HD void cast(float x, float& p) { p = x; }
-HD void cast(float x, bf16& p) { p = bf16_away(x); }
-HD void cast(float x, fp16& p) { p = fp16_nearest_even(x); }
-
-template <class P> struct Fp32Master {  // the fp32 master, and a compute param (none, fp32, bf16, fp16) cast from it
-  using master_t = float; using param_t = P; static constexpr bool reads_param = false;
-  static HD float load(float master, P) { return master; }
-  static HD void store(const AdamWArgs&, int64_t, float x, float& master, P& param) { master = x; cast(x, param); }
-};
-struct Remainder {  // [Note: remainder master]
-  using master_t = int16_t; using param_t = bf16; static constexpr bool reads_param = true;
-  static HD float load(int16_t low, bf16 param) {
-    const uint32_t high = (uint16_t)(param.bits - (low < 0));  // a negative remainder: the bf16 was rounded up
-    return float_of(high << 16 | (uint16_t)low);
-  }
-  static HD void store(const AdamWArgs&, int64_t, float x, int16_t& low, bf16& param) {
-    param = bf16_away(x);
-    low = (int16_t)(uint16_t)bits_of(x);
-  }
-};
-template <bool stochastic> struct NoMaster {  // the bf16 param is the only copy of the weights
-  using master_t = Empty; using param_t = bf16; static constexpr bool reads_param = true;
-  static HD float load(Empty, bf16 param) { return to_float(param); }
-  static HD void store(const AdamWArgs& a, int64_t i, float x, Empty&, bf16& param) {
-    param = stochastic ? bf16_round(x, rounding_hash(a.seed, a.step, a.index_offset + i) & 0xFFFFu)
-                       : bf16_nearest_even(x);
-  }
-};
-
-// The moments: fp32 or bf16 (rounded to nearest-even) per element; uint8 per block, in the kernels' block paths,
-// with the code tables at these offsets in args.tables and args.buckets (kernels._code_tables)
-enum { SIGNED_MAP = 0, UNSIGNED_MAP = 256, SIGNED_MIDPOINTS = 512, UNSIGNED_MIDPOINTS = 768 };
-enum { SIGNED_BUCKETS = 0, UNSIGNED_BUCKETS = 1 << 16 };
-HD void from_float(float x, float& out) { out = x; }
-HD void from_float(float x, bf16& out) { out = bf16_nearest_even(x); }
-HD float magnitude(float x) { const float y = fabsf(x); return y > 0.0f ? y : 0.0f; }  // NaN -> 0: absmax ignores it
-HD float dequantize(uint8_t code, float absmax, const float* map) { return map[code] * absmax; }
-HD uint8_t quantize(float x, float absmax, const float* midpoints, const uint8_t* buckets) {
-  const float xn = x / (absmax > 0.0f ? absmax : 1.0f);
-  const int below = buckets[bits_of(xn) >> 16];  // the midpoints below xn's bucket; at most one more is in it
-  return (uint8_t)(below + (midpoints[below] < xn));  // midpoints[255] is +inf
-}
-
-// The update of one element, in the reference's op order. Each op rounds once (the CPU build has -ffp-contract=off,
-// the CUDA one --fmad=false; sqrtf and / are IEEE); the two fmaf are where torch's own CPU kernels fuse (lerp,
-// addcmul), so exp_avg and exp_avg_sq match torch bit for bit. Returns true if the scaled grad is inf or nan.
-template <class W>
-HD bool adamw_element(const AdamWArgs& a, int64_t i, float decay, float grad, float& m, float& v,
-                      typename W::master_t& master, typename W::param_t& param) {
-  const float g = grad * a.grad_scale;
-  m = fmaf(a.one_minus_beta1, g - m, m);          // exp_avg.lerp_(g, 1 - beta1)
-  v = fmaf(a.one_minus_beta2 * g, g, v * a.beta2);  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
-  const float denom = sqrtf(v) / a.bias_correction2_sqrt + a.eps;
-  const float x = W::load(master, param) * decay - a.step_size * m / denom;  // mul_(decay).addcdiv_(m, denom, -step_size)
-  W::store(a, i, x, master, param);
-  return (bits_of(g) & 0x7F800000u) == 0x7F800000u;
-}
-
-// Calls f(grad type, state type, weights policy) for the kinds in the args: 2 x 3 x 7 = 42 instances, one switch.
-template <class F> auto dispatch(const AdamWArgs& a, F f) {
-  auto with_weights = [&](auto grad, auto state) {
-    switch (a.weights_kind) {  // kernels._WEIGHTS_KINDS
-      case 1: return f(grad, state, Fp32Master<float>{});
-      case 2: return f(grad, state, Fp32Master<bf16>{});
-      case 3: return f(grad, state, Fp32Master<fp16>{});
-      case 4: return f(grad, state, Remainder{});
-      case 5: return f(grad, state, NoMaster<false>{});
-      case 6: return f(grad, state, NoMaster<true>{});
-      default: return f(grad, state, Fp32Master<Empty>{});
-    }
-  };
-  auto with_state = [&](auto grad) {
-    return a.state_kind == 2 ? with_weights(grad, uint8_t{}) :
-           a.state_kind == 1 ? with_weights(grad, bf16{}) : with_weights(grad, float{});
-  };
-  return a.grad_kind == 1 ? with_state(bf16{}) : with_state(float{});
-}
-"""
-
-CPU_SOURCE = COMMON_SOURCE + r"""
-#include <algorithm>
-#include <omp.h>
-
-// Elements [begin, end) with one decay factor; returns 1 if any scaled grad was inf/nan.
-template <class G, class S, class W>
-static int adamw_range(const AdamWArgs& args, int64_t begin, int64_t end, float decay) {
-  const AdamWArgs a = args;  // a local copy: our stores cannot change it, which keeps the loop vectorized
-  using M = typename W::master_t; using P = typename W::param_t;
-  S* exp_avg = (S*)a.exp_avg; S* exp_avg_sq = (S*)a.exp_avg_sq;
-  int bad = 0;
-  #pragma omp simd reduction(|:bad)
-  for (int64_t i = begin; i < end; ++i) {
-    float m = to_float(exp_avg[i]), v = to_float(exp_avg_sq[i]);
-    M master = get<M>(a.master, i);
-    P param = W::reads_param ? get<P>(a.param, i) : P{};
-    bad |= adamw_element<W>(a, i, decay, to_float(((const G*)a.grad)[i]), m, v, master, param);
-    from_float(m, exp_avg[i]); from_float(v, exp_avg_sq[i]);
-    put(a.master, i, master); put(a.param, i, param);
-  }
-  return bad;
-}
-
-// uint8 state: one 256-element block in two passes over local arrays: dequantize, update and find the new absmax;
-// then requantize with it. [Note: 8-bit state]
-template <class G, class W>
-static int adamw_block(const AdamWArgs& args, int64_t block) {
-  const AdamWArgs a = args;
-  using M = typename W::master_t; using P = typename W::param_t;
-  uint8_t* codes_m = (uint8_t*)a.exp_avg + block * 256; uint8_t* codes_v = (uint8_t*)a.exp_avg_sq + block * 256;
-  const float old_absmax_m = a.exp_avg_absmax[block], old_absmax_v = a.exp_avg_sq_absmax[block];
-  float m[256], v[256], absmax_m = 0.0f, absmax_v = 0.0f;
-  int bad = 0;
-  #pragma omp simd reduction(|:bad) reduction(max:absmax_m, absmax_v)
-  for (int j = 0; j < 256; ++j) {
-    const int64_t i = block * 256 + j;
-    m[j] = dequantize(codes_m[j], old_absmax_m, a.tables + SIGNED_MAP);
-    v[j] = dequantize(codes_v[j], old_absmax_v, a.tables + UNSIGNED_MAP);
-    M master = get<M>(a.master, i);
-    P param = W::reads_param ? get<P>(a.param, i) : P{};
-    const float decay = i < a.decay_numel ? a.decay : 1.0f;
-    bad |= adamw_element<W>(a, i, decay, to_float(((const G*)a.grad)[i]), m[j], v[j], master, param);
-    put(a.master, i, master); put(a.param, i, param);
-    absmax_m = std::max(absmax_m, magnitude(m[j])); absmax_v = std::max(absmax_v, magnitude(v[j]));
-  }
-  #pragma omp simd
-  for (int j = 0; j < 256; ++j) {
-    codes_m[j] = quantize(m[j], absmax_m, a.tables + SIGNED_MIDPOINTS, a.buckets + SIGNED_BUCKETS);
-    codes_v[j] = quantize(v[j], absmax_v, a.tables + UNSIGNED_MIDPOINTS, a.buckets + UNSIGNED_BUCKETS);
-  }
-  a.exp_avg_absmax[block] = absmax_m; a.exp_avg_sq_absmax[block] = absmax_v;
-  return bad;
-}
-
-template <class G, class S, class W>
-static void adamw_cpu(const AdamWArgs& a) {
-  int bad = 0;
-  if constexpr (std::is_same<S, uint8_t>::value) {
-    #pragma omp parallel for reduction(|:bad) if(a.n > 65536)
-    for (int64_t block = 0; block < a.n / 256; ++block) bad |= adamw_block<G, W>(a, block);
-  } else {
-    // One thread team per call (below ~64K elements a team costs more than it saves). Each thread takes a
-    // contiguous chunk, a multiple of 32 elements (64 B of bf16) so threads do not share cache lines, and cuts
-    // it at decay_numel: [decayed | not decayed] -> two vectorized loops, no per-element test.
-    // E.g. n = 100000, decay_numel = 70000, 2 threads: chunk 50016, thread 0 [0, 50016) all decayed,
-    // thread 1 [50016, 70000) decayed + [70000, 100000) not.
-    #pragma omp parallel reduction(|:bad) if(a.n > 65536)
-    {
-      const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-      const int64_t chunk = ((a.n + threads - 1) / threads + 31) / 32 * 32;
-      const int64_t lo = std::min(a.n, t * chunk), hi = std::min(a.n, lo + chunk);
-      const int64_t cut = std::clamp(a.decay_numel, lo, hi);
-      bad |= adamw_range<G, S, W>(a, lo, cut, a.decay);
-      bad |= adamw_range<G, S, W>(a, cut, hi, 1.0f);
-    }
-  }
-  if (bad) *a.found_inf = 1.0f;
-}
-
-extern "C" int adamw_step(const AdamWArgs* a, void* stream) {
-  dispatch(*a, [&](auto grad, auto state, auto weights) {
-    adamw_cpu<decltype(grad), decltype(state), decltype(weights)>(*a);
-    return 0;
-  });
-  return 0;
-}
-"""
-
-# Pure CUDA, no torch headers (nvcc includes cuda_runtime.h itself). test_kernels.py also compiles it with g++,
-# the CUDA built-ins emulated, to run it on the host.
-CUDA_SOURCE = COMMON_SOURCE + r"""
-// N elements per thread, loaded as one N * sizeof(T)-byte access: N = 4 gives 16-byte loads of the fp32
-// streams (8-byte for bf16); N = 1 is the path for any length and any alignment.
-template <class T, int N> struct alignas(N * sizeof(T)) Vec { T x[N]; };
-template <class T, int N> __device__ __forceinline__ Vec<T, N> load(const void* p, int64_t i) {
-  if constexpr (std::is_same<T, Empty>::value) return {}; else return *(const Vec<T, N>*)((const T*)p + i);
-}
-template <class T, int N> __device__ __forceinline__ void store(void* p, int64_t i, const Vec<T, N>& x) {
-  if constexpr (!std::is_same<T, Empty>::value) *(Vec<T, N>*)((T*)p + i) = x;
-}
-
-template <class G, class S, class W, int N>
-__global__ void adamw_kernel(const AdamWArgs a, int64_t begin, int64_t end) {
-  using M = typename W::master_t; using P = typename W::param_t;
-  const int64_t i = begin + N * ((int64_t)blockIdx.x * blockDim.x + threadIdx.x);
-  bool bad = false;
-  if (i < end) {  // end - begin is a multiple of N
-    Vec<G, N> grad = load<G, N>(a.grad, i);
-    Vec<S, N> m = load<S, N>(a.exp_avg, i), v = load<S, N>(a.exp_avg_sq, i);
-    Vec<M, N> master = load<M, N>(a.master, i);
-    Vec<P, N> param = W::reads_param ? load<P, N>(a.param, i) : Vec<P, N>{};
-    #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      float mk = to_float(m.x[k]), vk = to_float(v.x[k]);
-      const float decay = i + k < a.decay_numel ? a.decay : 1.0f;  // [Note: weight decay as one index]
-      bad |= adamw_element<W>(a, i + k, decay, to_float(grad.x[k]), mk, vk, master.x[k], param.x[k]);
-      from_float(mk, m.x[k]); from_float(vk, v.x[k]);
-    }
-    store(a.exp_avg, i, m); store(a.exp_avg_sq, i, v); store(a.master, i, master); store(a.param, i, param);
-  }
-  // one write per block, of the same value by any block that saw a bad grad: no atomics, no host sync
-  if (__syncthreads_or(bad) && threadIdx.x == 0) *a.found_inf = 1.0f;
-}
-
-// uint8 state: one 256-thread block per 256-element quantization block. [Note: 8-bit state]
-template <class G, class W>
-__global__ void adamw_block_kernel(const AdamWArgs a) {
-  using M = typename W::master_t; using P = typename W::param_t;
-  __shared__ float absmax[2][256];  // exp_avg's and exp_avg_sq's, reduced in place
-  const int t = threadIdx.x;
-  const int64_t block = blockIdx.x, i = block * 256 + t;
-  float m = dequantize(((const uint8_t*)a.exp_avg)[i], a.exp_avg_absmax[block], a.tables + SIGNED_MAP);
-  float v = dequantize(((const uint8_t*)a.exp_avg_sq)[i], a.exp_avg_sq_absmax[block], a.tables + UNSIGNED_MAP);
-  M master = get<M>(a.master, i);
-  P param = W::reads_param ? get<P>(a.param, i) : P{};
-  const float decay = i < a.decay_numel ? a.decay : 1.0f;
-  const bool bad = adamw_element<W>(a, i, decay, to_float(get<G>(a.grad, i)), m, v, master, param);
-  put(a.master, i, master); put(a.param, i, param);
-  absmax[0][t] = magnitude(m); absmax[1][t] = magnitude(v);
-  __syncthreads();
-  for (int half = 128; half > 0; half >>= 1) {  // 256 -> 128 -> ... -> 1; max is exact, so any order gives the CPU's
-    if (t < half) {
-      absmax[0][t] = fmaxf(absmax[0][t], absmax[0][t + half]);
-      absmax[1][t] = fmaxf(absmax[1][t], absmax[1][t + half]);
-    }
-    __syncthreads();
-  }
-  ((uint8_t*)a.exp_avg)[i] = quantize(m, absmax[0][0], a.tables + SIGNED_MIDPOINTS, a.buckets + SIGNED_BUCKETS);
-  ((uint8_t*)a.exp_avg_sq)[i] = quantize(v, absmax[1][0], a.tables + UNSIGNED_MIDPOINTS, a.buckets + UNSIGNED_BUCKETS);
-  if (t == 0) { a.exp_avg_absmax[block] = absmax[0][0]; a.exp_avg_sq_absmax[block] = absmax[1][0]; }
-  if (__syncthreads_or(bad) && t == 0) *a.found_inf = 1.0f;
-}
-
-static bool aligned(const void* p, int bytes) { return (uintptr_t)p % bytes == 0; }
-
-template <class G, class S, class W>
-static cudaError_t launch(const AdamWArgs& a, cudaStream_t stream) {
-  const int threads = 256;
-  if constexpr (std::is_same<S, uint8_t>::value) {
-    if (a.n > 0) adamw_block_kernel<G, W><<<(unsigned)(a.n / 256), threads, 0, stream>>>(a);
-  } else {
-    // a shard view that starts at an odd offset takes the N = 1 path for all of it
-    const bool vec_ok = aligned(a.grad, 4 * sizeof(G)) && aligned(a.exp_avg, 4 * sizeof(S)) &&
-                        aligned(a.exp_avg_sq, 4 * sizeof(S)) && aligned(a.master, 4 * sizeof(typename W::master_t)) &&
-                        aligned(a.param, 4 * sizeof(typename W::param_t));
-    const int64_t n_vec = vec_ok ? a.n / 4 * 4 : 0;  // e.g. n = 4097: 4096 in the vector kernel, 1 in the tail
-    if (n_vec > 0)
-      adamw_kernel<G, S, W, 4><<<(unsigned)((n_vec / 4 + threads - 1) / threads), threads, 0, stream>>>(a, 0, n_vec);
-    if (a.n > n_vec)
-      adamw_kernel<G, S, W, 1><<<(unsigned)((a.n - n_vec + threads - 1) / threads), threads, 0, stream>>>(a, n_vec, a.n);
-  }
-  return cudaGetLastError();
-}
-
-extern "C" int adamw_step(const AdamWArgs* a, void* stream) {
-  return dispatch(*a, [&](auto grad, auto state, auto weights) {
-    return (int)launch<decltype(grad), decltype(state), decltype(weights)>(*a, (cudaStream_t)stream);
-  });
-}
-extern "C" const char* adamw_error_string(int error) { return cudaGetErrorString((cudaError_t)error); }
-"""
+CPU_SOURCE = _source("adamw_cpu.cpp")
+CUDA_SOURCE = _source("adamw.cu")
 
 
 class AdamWArgs(ctypes.Structure):

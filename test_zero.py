@@ -142,7 +142,7 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
             u.module.register_forward_pre_hook(
                 lambda *_: resident.append(sum(b.unsharded_param.untyped_storage().nbytes() > 0 for b in blocks)))
     data = torch.Generator().manual_seed(1234)
-    losses, norms = [], []
+    losses, norms, scales = [], [], []
     local = accum // world_size
     for step in range(steps):
         if step == resume_at:  # checkpoint round trip: a new model and engine from the saved state
@@ -163,6 +163,7 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
         dist.all_reduce(loss)
         losses.append(loss.item() / world_size)
         norms.append(norm)
+        scales.append(engine.scaler.get_scale() if hasattr(engine, 'scaler') else None)
     params = full_params(engine, model)
     info = dict(events=events) if trace else {}
     if compile:
@@ -177,7 +178,7 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
             info.update(peak_live=engine.units[0].schedule.peak_live, root_padded=engine.buckets[-1].padded_numel,
                         peak_resident=max(resident, default=0),
                         resident_after=sum(u.unsharded_param.untyped_storage().nbytes() for u in engine.units))
-    return dict(losses=losses, norms=norms, params=params, **info)
+    return dict(losses=losses, norms=norms, scales=scales, params=params, **info)
 
 
 def record_unit_events(engine):

@@ -331,6 +331,7 @@ def main(cfg):
     eval_sets = {s: [windows(data[s], rows, cfg['block_size'], device) for rows in draw(data[s], [cfg['seed'], 1 + i], cfg['eval_iters'], cfg)]
                  for i, s in enumerate(('train', 'val'))}
     if cfg['zero_stage'] > 0:  # every rank builds (or loads) the AdamW kernel now, not while the others wait in a collective
+        announce_kernel_build(cfg['optimizer_impl'], device, log)
         impl = kernels.resolve_impl(cfg['optimizer_impl'], device)
     model, engine = build(cfg, device, args)
     iter_num, best_val_loss = 0, 1e9
@@ -386,6 +387,16 @@ def main(cfg):
         log(f"profiler trace: {cfg['out_dir']}/trace_rank{{r}}.json (open in https://ui.perfetto.dev or chrome://tracing)")
     dist.barrier()  # every rank done (and no async work left) before the process group goes
     dist.destroy_process_group()
+
+
+def announce_kernel_build(impl, device, log):
+    kind = device.type if impl == 'auto' else impl
+    try:
+        path = kernels.cache_path(kind) if kind in ('cpu', 'cuda') else None
+    except RuntimeError:
+        return  # it cannot be built here: resolve_impl says why
+    if path is not None and not path.exists():
+        log(f"building the fused AdamW kernel for {kind} (first run only, a few seconds; cached in {path})")
 
 
 def start_profiler(cfg, rank, device):

@@ -386,24 +386,11 @@ class Zero1:
 
     def set_master(self, b, values):
         """Store the exact fp32 values of this rank's shard of b in the form the precision keeps."""
-        master, param = self.step_tensors(b)
-        if master is None:  # master 'none': the bf16 params are all there is
-            param.copy_(kernels.cast_param(values, param.dtype))
-        elif master.dtype == torch.int16:  # 'remainder': the bf16 params + the low 16 bits
-            param_values, remainder = kernels.split_master(values)
-            param.copy_(param_values)
-            master.copy_(remainder)
-        else:  # an fp32 master (or the fp32 params themselves), and its rounding into the compute params
-            master.copy_(values)
-            if param is not None:
-                param.copy_(kernels.cast_param(values, param.dtype))
+        kernels.store_weights(values, *self.step_tensors(b))
 
     def master_values(self, b):
         """The exact fp32 values of this rank's shard of b (a view where they are stored as fp32)."""
-        master, param = self.step_tensors(b)
-        if master is None:
-            return param.float()
-        return kernels.join_master(param, master) if master.dtype == torch.int16 else master
+        return kernels.load_weights(*self.step_tensors(b))
 
     # --- grads: collected by per-param hooks, reduce-scattered bucket by bucket during backward
 

@@ -1,0 +1,164 @@
+// The part of nanozero's fused AdamW step that the CPU library (adamw_cpu.cpp, g++) and the CUDA library
+// (adamw.cu, nvcc) share: the argument struct, the roundings, the weight policies, the element update.
+// kernels.py reads these files; see its notes for the why of each piece.
+#pragma once
+#include <stdint.h>
+#include <stddef.h>
+#include <string.h>
+#include <math.h>
+#include <type_traits>
+#ifdef __CUDACC__
+#define HD __host__ __device__ __forceinline__
+#else
+#define HD inline
+#endif
+
+// One step over a flat shard of n elements; kernels.AdamWArgs mirrors it field for field.
+struct AdamWArgs {
+  void* master;          // fp32 or int16 remainder (n,), or null
+  void* param;           // fp32, bf16 or fp16 (n,), or null
+  const void* grad;      // fp32 or bf16 (n,)
+  void* exp_avg; void* exp_avg_sq;  // fp32, bf16 or uint8 codes (n,)
+  float* exp_avg_absmax; float* exp_avg_sq_absmax;  // uint8 state: (n / 256,)
+  const float* tables;   // uint8 state: the maps and midpoints (kernels._code_tables)
+  const uint8_t* buckets;  // uint8 state: [Note: a code in two loads]
+  float* found_inf;      // (1,): set to 1.0 if any scaled grad is inf/nan, never reset
+  int64_t n, decay_numel;  // elements [0, decay_numel) get weight decay
+  int64_t index_offset;  // the shard's offset in the flat buffer, for the rounding hash
+  int32_t grad_kind, state_kind, weights_kind;  // which template instance: see dispatch()
+  uint32_t seed, step;   // stochastic rounding: [Note: stochastic rounding, reproducibly]
+  // the step's constants, computed in double and rounded to float as torch's AdamW does
+  float grad_scale, one_minus_beta1, beta2, one_minus_beta2, eps;
+  float decay;                  // 1 - lr * weight_decay
+  float step_size;              // lr / (1 - beta1^step)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+};
+extern "C" size_t adamw_args_size() { return sizeof(AdamWArgs); }
+
+// 16-bit floats as their bits, so the same types work in host and device code. Empty: a stream the mode lacks.
+struct bf16 { uint16_t bits; };
+struct fp16 { uint16_t bits; };
+struct Empty {};
+template <class T> HD T get(const void* p, int64_t i) {
+  if constexpr (std::is_same<T, Empty>::value) return {}; else return ((const T*)p)[i];
+}
+template <class T> HD void put(void* p, int64_t i, T x) {
+  if constexpr (!std::is_same<T, Empty>::value) ((T*)p)[i] = x;
+}
+
+HD uint32_t bits_of(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
+HD float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+HD float to_float(float x) { return x; }
+HD float to_float(bf16 x) { return float_of((uint32_t)x.bits << 16); }
+
+// bf16 = the top half of the fp32 bits after adding `below` (< 2^16): 0x8000 rounds half away from zero,
+// 0x7FFF + the lowest kept bit to nearest-even, a random number stochastically. [Note: one bf16 rounding rule]
+HD bf16 bf16_round(float x, uint32_t below) {
+  const uint32_t b = bits_of(x);
+  const bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;  // the add could carry a NaN into inf: keep it a quiet NaN
+  return {(uint16_t)(nan ? (b >> 16) | 0x40u : (b + below) >> 16)};
+}
+HD bf16 bf16_nearest_even(float x) { return bf16_round(x, 0x7FFFu + ((bits_of(x) >> 16) & 1u)); }
+HD bf16 bf16_away(float x) { return bf16_round(x, 0x8000u); }
+
+// fp32 -> fp16, round to nearest-even, denormals, inf and NaN included (as .to(torch.float16)). Both roundings are
+// computed and one selected, without branches, so the CPU loop stays vectorized.
+HD fp16 fp16_nearest_even(float x) {
+  const uint32_t b = bits_of(x), a = b & 0x7FFFFFFFu;
+  // >= 2^-14, a normal fp16: rebias the exponent 127 -> 15 and round at bit 13, as bf16_nearest_even at bit 16
+  const uint32_t normal = (a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+  // below, a denormal fp16: a multiple of 2^-24, to which the FPU rounds |x| + 0.5 (whose ulp is 2^-24)
+  const uint32_t denormal = bits_of(float_of(a) + 0.5f) - 0x3F000000u;
+  const uint32_t h = a > 0x7F800000u ? 0x7E00u                // NaN -> quiet NaN
+                   : a >= 0x477FF000u ? 0x7C00u               // >= 65520, the tie between 65504 and 2^16: inf
+                   : a >= 0x38800000u ? normal : denormal;
+  return {(uint16_t)((b >> 16 & 0x8000u) | h)};
+}
+
+HD uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16; return x;
+}
+HD uint32_t rounding_hash(uint32_t seed, uint32_t step, int64_t index) {
+  const uint32_t h = lowbias32(lowbias32((uint32_t)index) ^ (uint32_t)((uint64_t)index >> 32));
+  return lowbias32(lowbias32(h ^ step) ^ seed);
+}
+
+// Weights policies: where the fp32 weights come from and where they go. param_t is read only if reads_param.
+HD void cast(float, Empty&) {}
+HD void cast(float x, float& p) { p = x; }
+HD void cast(float x, bf16& p) { p = bf16_away(x); }
+HD void cast(float x, fp16& p) { p = fp16_nearest_even(x); }
+
+template <class P> struct Fp32Master {  // the fp32 master, and a compute param (none, fp32, bf16, fp16) cast from it
+  using master_t = float; using param_t = P; static constexpr bool reads_param = false;
+  static HD float load(float master, P) { return master; }
+  static HD void store(const AdamWArgs&, int64_t, float x, float& master, P& param) { master = x; cast(x, param); }
+};
+struct Remainder {  // [Note: remainder master]
+  using master_t = int16_t; using param_t = bf16; static constexpr bool reads_param = true;
+  static HD float load(int16_t low, bf16 param) {
+    const uint32_t high = (uint16_t)(param.bits - (low < 0));  // a negative remainder: the bf16 was rounded up
+    return float_of(high << 16 | (uint16_t)low);
+  }
+  static HD void store(const AdamWArgs&, int64_t, float x, int16_t& low, bf16& param) {
+    param = bf16_away(x);
+    low = (int16_t)(uint16_t)bits_of(x);
+  }
+};
+template <bool stochastic> struct NoMaster {  // the bf16 param is the only copy of the weights
+  using master_t = Empty; using param_t = bf16; static constexpr bool reads_param = true;
+  static HD float load(Empty, bf16 param) { return to_float(param); }
+  static HD void store(const AdamWArgs& a, int64_t i, float x, Empty&, bf16& param) {
+    param = stochastic ? bf16_round(x, rounding_hash(a.seed, a.step, a.index_offset + i) & 0xFFFFu)
+                       : bf16_nearest_even(x);
+  }
+};
+
+// The moments: fp32 or bf16 (rounded to nearest-even) per element; uint8 per block, in the kernels' block paths,
+// with the code tables at these offsets in args.tables and args.buckets (kernels._code_tables)
+enum { SIGNED_MAP = 0, UNSIGNED_MAP = 256, SIGNED_MIDPOINTS = 512, UNSIGNED_MIDPOINTS = 768 };
+enum { SIGNED_BUCKETS = 0, UNSIGNED_BUCKETS = 1 << 16 };
+HD void from_float(float x, float& out) { out = x; }
+HD void from_float(float x, bf16& out) { out = bf16_nearest_even(x); }
+HD float magnitude(float x) { const float y = fabsf(x); return y > 0.0f ? y : 0.0f; }  // NaN -> 0: absmax ignores it
+HD float dequantize(uint8_t code, float absmax, const float* map) { return map[code] * absmax; }
+HD uint8_t quantize(float x, float absmax, const float* midpoints, const uint8_t* buckets) {
+  const float xn = x / (absmax > 0.0f ? absmax : 1.0f);
+  const int below = buckets[bits_of(xn) >> 16];  // the midpoints below xn's bucket; at most one more is in it
+  return (uint8_t)(below + (midpoints[below] < xn));  // midpoints[255] is +inf
+}
+
+// The update of one element, in the reference's op order. Each op rounds once (the CPU build has -ffp-contract=off,
+// the CUDA one --fmad=false; sqrtf and / are IEEE); the two fmaf are where torch's own CPU kernels fuse (lerp,
+// addcmul), so exp_avg and exp_avg_sq match torch bit for bit. Returns true if the scaled grad is inf or nan.
+template <class W>
+HD bool adamw_element(const AdamWArgs& a, int64_t i, float decay, float grad, float& m, float& v,
+                      typename W::master_t& master, typename W::param_t& param) {
+  const float g = grad * a.grad_scale;
+  m = fmaf(a.one_minus_beta1, g - m, m);          // exp_avg.lerp_(g, 1 - beta1)
+  v = fmaf(a.one_minus_beta2 * g, g, v * a.beta2);  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
+  const float denom = sqrtf(v) / a.bias_correction2_sqrt + a.eps;
+  const float x = W::load(master, param) * decay - a.step_size * m / denom;  // mul_(decay).addcdiv_(m, denom, -step_size)
+  W::store(a, i, x, master, param);
+  return (bits_of(g) & 0x7F800000u) == 0x7F800000u;
+}
+
+// Calls f(grad type, state type, weights policy) for the kinds in the args: 2 x 3 x 7 = 42 instances, one switch.
+template <class F> auto dispatch(const AdamWArgs& a, F f) {
+  auto with_weights = [&](auto grad, auto state) {
+    switch (a.weights_kind) {  // kernels._WEIGHTS_KINDS
+      case 1: return f(grad, state, Fp32Master<float>{});
+      case 2: return f(grad, state, Fp32Master<bf16>{});
+      case 3: return f(grad, state, Fp32Master<fp16>{});
+      case 4: return f(grad, state, Remainder{});
+      case 5: return f(grad, state, NoMaster<false>{});
+      case 6: return f(grad, state, NoMaster<true>{});
+      default: return f(grad, state, Fp32Master<Empty>{});
+    }
+  };
+  auto with_state = [&](auto grad) {
+    return a.state_kind == 2 ? with_weights(grad, uint8_t{}) :
+           a.state_kind == 1 ? with_weights(grad, bf16{}) : with_weights(grad, float{});
+  };
+  return a.grad_kind == 1 ? with_state(bf16{}) : with_state(float{});
+}
