@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import time
@@ -117,10 +116,7 @@ def measure(kind, cfg, world_size, quick):
     data = train.load_split(train.data_dir(cfg), 'train')
     args = train.model_args(cfg, train.vocab_size(cfg))
     runtime = torch.cuda.memory_allocated(device) if device.type == 'cuda' else proc_status_bytes('VmRSS')
-    if kind == 'fsdp2':
-        model, engine = build_fsdp2(cfg, device, args, world_size)
-    else:
-        model, engine = train.build(cfg, device, args)
+    _, engine = build_fsdp2(cfg, device, args, world_size) if kind == 'fsdp2' else train.build(cfg, device, args)
     zcfg = train.zero_config(cfg)  # fsdp2 runs with zero_stage=3: it holds what our stage 3 holds, 16Ψ/N
     estimate = memory.model_states(zcfg.stage, engine.psi, world_size, zcfg)
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
