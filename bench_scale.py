@@ -184,8 +184,10 @@ NOTES = """\
   RSS (VmHWM after writing 5 to /proc/self/clear_refs; MALLOC_MMAP_THRESHOLD_=65536, so freed buffers leave the
   RSS), on CUDA torch.cuda.max_memory_allocated. process: the same from the start (model building included).
   runtime: the RSS (CUDA: memory allocated) before the model is built, part of both peaks: torch, the data.
-- our transient peak: stage 2/3 bucket grad buffers + stage 3 unsharded units live at once (warm-up, sampled at
-  every grad and every unit's forward); pads: elements of padding in the flat layout (measured/estimated - 1).
+- our transient peak: stage 2/3 bucket grad buffers + stage 3 unsharded units live at once, sampled during warm-up at
+  every grad and every unit's forward (a moment between two samples is missed: the root's grad buffer while the root
+  is still unsharded). Not counted: autograd's .grad before it is copied into a bucket. pads: elements of padding in
+  the flat layout, the whole of measured/estimated - 1 for ours (fsdp2 pads each param's dim 0 to a multiple of N).
 - step: median wall time of the timed steps; collectives cost nothing here (fake process group)."""
 
 
