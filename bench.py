@@ -8,6 +8,7 @@ Benchmarks, one mode per idea:
     python bench.py kernels --modes --sizes 16M            # each storage-precision mode against the fp32 master
     OMP_NUM_THREADS=1 python bench.py kernels --device cpu # steadier numbers on a shared machine
     torchrun --standalone --nproc_per_node=2 bench.py zero # a training step: ZeRO-1/2/3 vs DDP, ZeRO optimizer, FSDP2
+    python bench.py scale --world 64                       # rank 0 of 64 ranks, alone: model states, peaks
 
 kernels: for each flat shard size n, time kernels.adamw_step (fp32 master/m/v, fp32 grad, bf16 param out)
 against the best torch offers on the same buffers: torch.optim.AdamW(fused=True) stepping the fp32 master,
@@ -20,6 +21,7 @@ kernels --modes: for each n, the time of each storage-precision mode of kernels.
 as a ratio to the fp32-master step on the same n, with the bytes per element each one must move.
 
 zero: see bench_zero.py (step time ratios, bytes per rank, exposed communication).
+scale: see bench_scale.py (estimated vs measured model states, peak memory, at any world size on one machine).
 """
 import argparse
 import functools
@@ -27,6 +29,7 @@ import time
 
 import torch
 
+import bench_scale
 import bench_zero
 import kernels
 
@@ -177,7 +180,7 @@ def bench_modes(device, sizes, grad_dtype):
 # ----------------------------------------------------------------------------
 # the dispatcher: one entry per mode, each a function taking the parsed args
 
-MODES = {"kernels": bench_kernels, "zero": bench_zero.bench_zero}
+MODES = {"kernels": bench_kernels, "zero": bench_zero.bench_zero, "scale": bench_scale.bench_scale}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -190,5 +193,6 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
                         help="kernels: where to run (zero takes its device from the config: --set device=cuda)")
     bench_zero.add_arguments(parser)
+    bench_scale.add_arguments(parser)
     args = parser.parse_args()
     MODES[args.mode](args)

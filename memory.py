@@ -2,7 +2,7 @@
 The memory arithmetic of ZeRO: what each rank holds, counted from tensors while training and estimated
 before you rent the GPUs ("use the lowest stage that fits").
 
-    python zero.py estimate --params 70e9 --world 64                        # 1120 / 293 / 155 / 17.5 GB
+    python zero.py estimate --params 70e9 --world 64                        # 1120 / 293.125 / 155.3125 / 17.5 GB
     python zero.py estimate --params 13e9 --world 8                         # 208 / 71.5 / 48.75 / 26 GB
     python zero.py estimate --config config/zero3.py --world 64 --gpu_gb 80 # as configured, and which stage fits
 
@@ -61,29 +61,40 @@ def communication(stage, psi, accum, cfg):
 # activations and transients, for "which stage fits"
 
 
-def activation_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes):
+def saved_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes):
     """[Note: activation estimate] What autograd saves for backward in one micro-batch of `tokens` = B·T tokens,
-    with SDPA attention (no T x T scores kept) and no dropout: per block 17 values per token per channel
-    (ln_1 in 1, c_attn in 1, q k v 3, attention out 1, c_proj in 1, ln_2 in 1, c_fc in 1, GELU in 4, c_proj in 4),
-    plus ln_f and lm_head inputs (2 per channel), plus per vocab entry the logits (compute dtype), their fp32 copy
-    and log-softmax for the loss, and the fp32 grad of the logits that backward starts with (4 + 4 + 4 bytes):
-        tokens * (17 * n_layer * n_embd * a + 2 * n_embd * a + vocab_size * (a + 12)) bytes, a = compute dtype bytes.
+    with SDPA attention (no T x T scores kept) and no dropout. Per block, values per token per channel:
+    ln_1 in 1, c_attn in 1, q k v 3 (views of c_attn's output), attention out 1 (SDPA writes it in (B, T, nh, hs)
+    layout, so the transpose().contiguous() before c_proj is a no-op and c_proj saves that same storage),
+    ln_2 in 1, c_fc in 1, GELU in 4, c_proj in 4: 16, of which the two layer-norm inputs are fp32 under autocast
+    on CUDA (layer_norm autocasts to fp32 there), the other 14 in the compute dtype. Then ln_f in (fp32) and
+    lm_head in, and per vocab entry the fp32 log-softmax the loss keeps (the logits themselves are not saved):
+        tokens * (n_layer * n_embd * (14a + 2*4) + n_embd * (a + 4) + 4 * vocab_size) bytes, a = compute dtype bytes.
+    Left out, < 1% at any real width: layer-norm means and rstds, attention logsumexps, the token ids.
+    On a CPU autocast runs layer_norm in bf16, so there this is 4 bytes per layer per channel per token high.
     test_memory.py checks it against the bytes autograd really saves."""
     a = compute_bytes
-    return tokens * (17 * n_layer * n_embd * a + 2 * n_embd * a + vocab_size * (a + 12))
+    return tokens * (n_layer * n_embd * (14 * a + 2 * 4) + n_embd * (a + 4) + 4 * vocab_size)
 
 
-def transient_bytes(stage, cfg, block_numel, root_numel):
+def activation_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes):
+    """The activation peak, as backward starts: everything saved (saved_bytes), plus the fp32 grads of the
+    log-probs and of the logits, alive together while log-softmax's backward runs (8 bytes per vocab entry)."""
+    return saved_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes) + tokens * vocab_size * 8
+
+
+def transient_bytes(stage, cfg, block_numel, root_numel, psi):
     """Buffers that live only during forward/backward: stage 2/3 one bucket-sized grad buffer in flight
     ([Note: one grad buffer]); stage 3 the prefetch + 1 gathered blocks and the root unit (kept gathered from
-    its forward to the end of backward)."""
+    its forward to the end of backward). A stage 2 bucket holds up to bucket_mb of grads, but a param larger than
+    that gets a bucket to itself (GPT-2's tied embedding, in the root: 38.6M elements, 154 MB of fp32 grads; no
+    param is larger than its unit), and no bucket is larger than the model."""
     if stage < 2:
         return 0
-    bucket = min(cfg.bucket_mb * 2**20, (block_numel + root_numel) * cfg.reduce_dtype.itemsize)
+    r, largest_param = cfg.reduce_dtype.itemsize, max(block_numel, root_numel)
     if stage == 2:
-        return bucket
-    grad_buffer = max(block_numel, root_numel) * cfg.reduce_dtype.itemsize
-    return grad_buffer + ((cfg.prefetch + 1) * block_numel + root_numel) * cfg.param_dtype.itemsize
+        return min(psi, max(cfg.bucket_mb * 2**20 // r, largest_param)) * r
+    return largest_param * r + ((cfg.prefetch + 1) * block_numel + root_numel) * cfg.param_dtype.itemsize
 
 
 def stage_estimates(psi, world, cfg, activations, block_numel, root_numel):
@@ -93,7 +104,7 @@ def stage_estimates(psi, world, cfg, activations, block_numel, root_numel):
     for stage in (0, 1, 2, 3):
         c = dataclasses.replace(cfg, stage=stage, precision=type(cfg.precision)()) if stage == 0 else dataclasses.replace(cfg, stage=stage)
         states = sum(b for _, b in model_states(stage, psi, world, c).values())
-        out[stage] = states + transient_bytes(stage, c, block_numel, root_numel) + activations
+        out[stage] = states + transient_bytes(stage, c, block_numel, root_numel, psi) + activations
     return out
 
 
@@ -165,7 +176,7 @@ def estimate_table(psi, world, cfg, accum, k=12):
                 2: f'reduce-scatter {accum}Ψ + all-gather Ψ = {accum + 1}Ψ', 3: f'{3 * accum}Ψ (all-gather {2 * accum}Ψ + reduce-scatter {accum}Ψ)'}
     for stage in range(4):
         s = paper_states(stage, psi, world, k)
-        rows.append(f"| {stage} | " + ' | '.join(f"{v / 1e9:.6g}" for v in (*s.values(), sum(s.values())))
+        rows.append(f"| {stage} | " + ' | '.join(f"{v / 1e9:.7g}" for v in (*s.values(), sum(s.values())))
                     + f" | {sent_psi[stage]} |")
     import dataclasses
     rows += [f"\nnanozero as configured (params {dtype_name(cfg.param_dtype)}, reduce {dtype_name(cfg.reduce_dtype)}, "

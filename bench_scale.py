@@ -1,0 +1,245 @@
+"""
+Rank 0 of a big job, alone on one machine: what one rank of 64 or 1024 holds, without renting them.
+
+    python bench.py scale --world 64 --set n_layer=4 --set n_embd=256
+    python bench.py scale --world 1024 --kinds zero3,fsdp2 --set n_layer=48 --set n_head=25 --set n_embd=1600 --set batch_size=1
+    python bench.py scale --world 8 --config config/gpt2_124m.py --set batch_size=1   # on a GPU (the config's device)
+
+The process joins torch's "fake" process group as rank 0 of --world ranks ([Note: the fake process group] in
+zero.py): every collective returns at once, so memory and compute are rank 0's own and real, the losses are
+not. Torch DDP cannot run under it, so the kinds are zero1, zero2, zero3 (train.py's build: stages 1-3 start
+on the meta device and materialize one bucket or unit at a time) and fsdp2 (torch's fully_shard, built the
+same way). Each kind runs in a fresh subprocess, so one kind's peak cannot hide in another's. The config is
+train.py's (config/shakespeare_cpu.py unless --config; --set KEY=VALUE overrides a key); its
+gradient_accumulation_steps is raised to a multiple of --world, one micro-step per rank at least.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import bench_zero
+import memory
+import train
+import zero
+from model import GPT, GPTConfig
+
+KINDS = ('zero1', 'zero2', 'zero3', 'fsdp2')
+MB = 1e6  # as memory.py's startup table
+
+# -----------------------------------------------------------------------------
+# memory, as the operating system or the CUDA allocator sees it
+
+
+def proc_status_bytes(field):
+    """VmRSS (resident now) or VmHWM (its high-water mark) of this process, from /proc/self/status (Linux)."""
+    return int(re.search(rf'{field}:\s+(\d+) kB', open('/proc/self/status').read()).group(1)) * 1024
+
+
+def peak_bytes(device):
+    return torch.cuda.max_memory_allocated(device) if device.type == 'cuda' else proc_status_bytes('VmHWM')
+
+
+def reset_peak(device):
+    """From here on, peak_bytes is the peak since now. On Linux writing 5 to clear_refs sets VmHWM to the
+    current RSS (and ru_maxrss with it: getrusage reads the same high-water mark)."""
+    if device.type == 'cuda':
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        with open('/proc/self/clear_refs', 'w') as f:
+            f.write('5')
+
+# -----------------------------------------------------------------------------
+# one kind, in its own process
+
+
+def build_fsdp2(cfg, device, args, world_size):
+    """torch FSDP2 as fsdp_lite: each block, then the root; built on the meta device, then only this rank's
+    shards are allocated (to_empty) and filled (the values do not matter under the fake process group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    zcfg = train.zero_config(cfg)
+    with torch.device('meta'):
+        model = GPT(GPTConfig(**args), seed=cfg['seed'])
+    mesh = init_device_mesh(device.type, (world_size,))  # named: left out, FSDP2 picks a GPU even for a CPU run
+    policy = MixedPrecisionPolicy(param_dtype=zcfg.param_dtype, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            model.init_param(name, p.to_local())  # this rank's rows, drawn as if they were the whole param
+    optimizer = torch.optim.AdamW(model.param_groups(zcfg.weight_decay), lr=cfg['learning_rate'],
+                                  betas=(zcfg.beta1, zcfg.beta2), eps=zcfg.eps)
+    return model, bench_zero.TorchEngine(model, model, optimizer, zcfg.grad_clip)  # zero_grad(set_to_none) each step
+
+
+def states_after_step(engine):
+    """Model-state bytes alive between steps, counted from tensors: both free their grads after the step."""
+    if bench_zero.ours(engine):
+        pops = {k: b for k, (_, b) in engine.populations().items() if k != 'grads'}
+        return sum(pops.values()) + zero.nbytes(engine.grad_shard) + zero.nbytes(engine.flat_grad)
+    pops = engine.populations()
+    return pops['params'] + pops['optimizer state'] + sum(bench_zero.nbytes(p.grad) for p in engine.params if p.grad is not None)
+
+
+def gather_in_place_under_fake_group():
+    """zero.Comm.all_gather, under the fake process group, writes its input into every row of its output. Stages 1
+    and 2 gather in place (the input is the output's own row), which copy_ refuses for overlapping memory: so the
+    input is given as a copy (one shard-sized buffer per bucket per step, here only)."""
+    all_gather = zero.Comm.all_gather
+
+    def call(comm, out, inp, **kwargs):
+        overlaps = comm.fake and inp.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+        return all_gather(comm, out, inp.clone() if overlaps else inp, **kwargs)
+    zero.Comm.all_gather = call
+
+
+def measure(kind, cfg, world_size, quick):
+    """Build one kind as rank 0 of world_size, warm up 2 steps, time 3 (1 with quick); return what was measured."""
+    device = torch.device(cfg['device'])
+    if device.type == 'cuda':
+        device = torch.device('cuda', 0)
+        torch.cuda.set_device(device)
+    dist.init_process_group('fake', rank=0, world_size=world_size, store=FakeStore())
+    gather_in_place_under_fake_group()
+    train.prepare_data(cfg, rank=0)
+    data = train.load_split(train.data_dir(cfg), 'train')
+    args = train.model_args(cfg, train.vocab_size(cfg))
+    runtime = torch.cuda.memory_allocated(device) if device.type == 'cuda' else proc_status_bytes('VmRSS')
+    _, engine = build_fsdp2(cfg, device, args, world_size) if kind == 'fsdp2' else train.build(cfg, device, args)
+    zcfg = train.zero_config(cfg)  # fsdp2 runs with zero_stage=3: it holds what our stage 3 holds, 16Ψ/N
+    estimate = memory.model_states(zcfg.stage, engine.psi, world_size, zcfg)
+    autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
+    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
+
+    # warm-up: optimizer state allocated (FSDP2's lazily), stage 3's forward order recorded; our transient
+    # buffers metered (bucket grad buffers, unsharded units), the hooks removed before timing
+    transient = [0]
+    handles = bench_zero.meter_transient(engine, transient) if bench_zero.ours(engine) else []
+    for it in range(2):
+        train.train_step(engine, train.train_batches(data, it, cfg, 0, world_size, device), cfg['learning_rate'], autocast)
+    for h in handles:
+        h.remove()
+    sync()
+    build_peak = peak_bytes(device)
+    reset_peak(device)
+    times = []
+    for it in range(2, 3 if quick else 5):
+        batches = train.train_batches(data, it, cfg, 0, world_size, device)
+        t0 = time.perf_counter()
+        train.train_step(engine, batches, cfg['learning_rate'], autocast)
+        sync()
+        times.append(time.perf_counter() - t0)
+    steps_peak = peak_bytes(device)
+    pops = {k: v if isinstance(v, int) else v[1] for k, v in engine.populations().items()}  # ours: (dtype, bytes)
+    dist.destroy_process_group()
+    return dict(kind=kind, psi=engine.psi, estimate=sum(b for _, b in estimate.values()), populations=pops,
+                pads=engine.flat_numel - engine.psi if bench_zero.ours(engine) else None,
+                transient=transient[0] if handles else None, after_step=states_after_step(engine),
+                runtime=runtime, steps_peak=steps_peak, process_peak=max(build_peak, steps_peak),
+                step_ms=1e3 * sorted(times)[len(times) // 2], threads=torch.get_num_threads())
+
+# -----------------------------------------------------------------------------
+# the table, from one subprocess per kind
+
+
+def scale_config(args):
+    cfg = train.parse_config([args.config] + [f'--{kv}' for kv in args.set])
+    micro = max(1, cfg['gradient_accumulation_steps'] // args.world)  # micro-steps per rank
+    cfg['gradient_accumulation_steps'] = micro * args.world
+    train.check_config(cfg, args.world)
+    return cfg
+
+
+def run_kind(kind, args):
+    """One kind in a fresh process. MALLOC_MMAP_THRESHOLD_: glibc then serves every buffer over 64 KiB with
+    its own mmap and unmaps it when freed, so the RSS falls when tensors die and its peak is a real peak."""
+    cmd = [sys.executable, os.path.abspath(__file__), kind, f'--world={args.world}', f'--config={args.config}']
+    cmd += [f'--set={kv}' for kv in args.set] + (['--quick'] if args.quick else [])
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536'})
+    results = [line[len('RESULT '):] for line in out.stdout.splitlines() if line.startswith('RESULT ')]
+    if out.returncode != 0 or not results:
+        killed = ' (killed: out of memory?)' if out.returncode in (-9, 137) else ''
+        return dict(kind=kind, failed=f"exit code {out.returncode}{killed}")
+    return json.loads(results[-1])
+
+
+NOTES = """\
+- model states: params + grads + optimizer state of rank 0, MB = 1e6 bytes. estimated: memory.model_states (the
+  estimator, Ψ/N per sharded population; fsdp2 with stage 3's: it holds the same 16Ψ/N). measured: counted from
+  tensors, ours by engine.populations() (grads: the bytes they take during a step), fsdp2 from the DTensor local
+  shards of params, of grads right after backward, and of the optimizer state. B/param: measured / Ψ.
+- after step: the same, counted from live tensors between steps (both free their grads after a step).
+- peak during steps: after 2 warm-up steps, the high-water mark over the timed steps; on CPU of the process's
+  RSS (VmHWM after writing 5 to /proc/self/clear_refs; MALLOC_MMAP_THRESHOLD_=65536, so freed buffers leave the
+  RSS), on CUDA torch.cuda.max_memory_allocated. process: the same from the start (model building included).
+  runtime: the RSS (CUDA: memory allocated) before the model is built, part of both peaks: torch, the data.
+- our transient peak: stage 2/3 bucket grad buffers + stage 3 unsharded units live at once, sampled during warm-up at
+  every grad and every unit's forward (a moment between two samples is missed: the root's grad buffer while the root
+  is still unsharded). Not counted: autograd's .grad before it is copied into a bucket. pads: elements of padding in
+  the flat layout, the whole of measured/estimated - 1 for ours (fsdp2 pads each param's dim 0 to a multiple of N).
+- step: median wall time of the timed steps; collectives cost nothing here (fake process group)."""
+
+
+def bench_scale(args):
+    t_start = time.perf_counter()
+    kinds = args.kinds.split(',')
+    if set(kinds) - set(KINDS) - set(bench_zero.KINDS):
+        raise ValueError(f"unknown kinds {sorted(set(kinds) - set(KINDS) - set(bench_zero.KINDS))}: choose from {','.join(KINDS)}")
+    skipped = [k for k in kinds if k not in KINDS]  # the DDP kinds: DDP's comm hook fails under the fake group
+    kinds = [k for k in kinds if k in KINDS]
+    cfg = scale_config(args)
+    results = [run_kind(kind, args) for kind in kinds]
+    print(f"$ python bench.py scale {' '.join(sys.argv[2:])}\n")
+    done = [r for r in results if 'failed' not in r]
+    psi = done[0]['psi'] if done else 0
+    print(f"rank 0 of {args.world} (torch's fake process group), device {cfg['device']}, dtype {cfg['dtype']}, "
+          f"torch {torch.__version__}, {done[0]['threads'] if done else '?'} threads; Ψ = {psi:,} params ({cfg['n_layer']} "
+          f"layers x {cfg['n_embd']}); {cfg['gradient_accumulation_steps'] // args.world} micro-step x {cfg['batch_size']}"
+          f" x {cfg['block_size']} tokens per rank" + (f"; skipped {', '.join(skipped)}: torch DDP cannot run under the "
+                                                       f"fake process group" if skipped else ''))
+    print("\n| kind | model states MB: estimated | measured | measured/estimated | B/param | after step MB "
+          "| peak MB during steps | process peak MB | runtime MB | step ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        if 'failed' in r:
+            print(f"| {r['kind']} | did not run: {r['failed']} |" + " |" * 8)
+            continue
+        measured = sum(r['populations'].values())
+        print(f"| {r['kind']} | {r['estimate'] / MB:.2f} | {measured / MB:.2f} | {measured / r['estimate']:.4f} | "
+              f"{measured / r['psi']:.3f} | {r['after_step'] / MB:.2f} | {r['steps_peak'] / MB:.0f} | "
+              f"{r['process_peak'] / MB:.0f} | {r['runtime'] / MB:.0f} | {r['step_ms']:.0f} |")
+    print("\nrank 0, MB: measured model states by population; our transient peak; pads")
+    for r in done:
+        line = ', '.join(f"{name} {b / MB:.2f}" for name, b in r['populations'].items())
+        if r['transient'] is not None:
+            line += f"; transient peak {r['transient'] / MB:.2f}; pads {r['pads']:,} elements ({r['pads'] / r['psi']:.3%} of Ψ)"
+        print(f"  {r['kind']:<6} {line}")
+    print(f"\n{NOTES}\n\nwall time {time.perf_counter() - t_start:.0f} s")
+
+
+def add_arguments(parser):
+    parser.add_argument('--world', type=int, default=64, help="scale: the number of ranks rank 0 is one of")
+    parser.add_argument('--quick', action='store_true', help="scale: time one step instead of three (tests)")
+
+
+if __name__ == '__main__':  # one kind, run by run_kind in a fresh process: prints one RESULT line
+    parser = argparse.ArgumentParser()
+    parser.add_argument('kind', choices=KINDS)
+    parser.add_argument('--config', required=True)
+    parser.add_argument('--set', action='append', default=[])
+    add_arguments(parser)
+    child = parser.parse_args()
+    cfg = scale_config(child)
+    cfg['zero_stage'] = 3 if child.kind == 'fsdp2' else int(child.kind[-1])  # fsdp2: for the dtypes and the estimate
+    print('RESULT ' + json.dumps(measure(child.kind, cfg, child.world, child.quick)), flush=True)

@@ -1,0 +1,234 @@
+"""
+The memory arithmetic as tests: `python zero.py estimate` against the ZeRO paper's figures and against what a
+real run counts, zero_stage='auto', the activation formula against what autograd saves, the profiler's named
+ranges, and `python bench.py scale` (rank 0 of a 64-rank job under the fake process group).
+
+    python -m pytest -q test_memory.py
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+import memory
+import train
+import zero
+from model import GPT, GPTConfig
+from test_train import torchrun
+from test_zero import TINY, run_ranks
+
+QUIET = {**os.environ, 'OMP_NUM_THREADS': '1'}  # the tests share the machine's cores
+
+
+def estimate(*args):
+    out = subprocess.run([sys.executable, 'zero.py', 'estimate', *args], capture_output=True, text=True, timeout=120, env=QUIET)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def rows(text):
+    """Per stage, the cells of a markdown table's rows '| 0 | ... |' to '| 3 | ... |'."""
+    cells = [[c.strip() for c in line.strip('|').split('|')] for line in text.splitlines() if re.match(r'\| [0-3] \|', line)]
+    assert [int(c[0]) for c in cells] == [0, 1, 2, 3], text
+    return cells
+
+
+def paper_rows(out):
+    return rows(out.split('nanozero as configured')[0])
+
+
+def configured_rows(out):
+    return rows(out.split('nanozero as configured')[1])
+
+# -----------------------------------------------------------------------------
+# python zero.py estimate: the paper's model
+
+
+PAPER = {  # (Ψ, N) -> per stage (params, grads, optimizer, total) GB: the ZeRO paper's 2Ψ + 2Ψ + 12Ψ, sharded
+    (70e9, 64): [(140, 140, 840, 1120), (140, 140, 13.125, 293.125), (140, 2.1875, 13.125, 155.3125),
+                 (2.1875, 2.1875, 13.125, 17.5)],
+    (13e9, 8): [(26, 26, 156, 208), (26, 26, 19.5, 71.5), (26, 3.25, 19.5, 48.75), (3.25, 3.25, 19.5, 26.0)],
+}
+
+
+def sent(a):
+    """The paper's communication per step, in Ψ, with a micro-steps per rank: stage 2 reduce-scatters each one."""
+    return ['all-reduce 2Ψ', 'reduce-scatter Ψ + all-gather Ψ = 2Ψ', f'reduce-scatter {a}Ψ + all-gather Ψ = {a + 1}Ψ',
+            f'{3 * a}Ψ (all-gather {2 * a}Ψ + reduce-scatter {a}Ψ)']
+
+
+@pytest.mark.parametrize('psi, world', list(PAPER))
+def test_estimate_prints_the_paper_tables_exactly(psi, world):
+    out = paper_rows(estimate('--params', f'{psi:g}', '--world', str(world)))
+    assert [tuple(float(c) for c in row[1:5]) for row in out] == PAPER[psi, world]  # not sums of rounded parts
+    assert [row[5] for row in out] == sent(1)  # 2Ψ, 2Ψ, 2Ψ, 3Ψ
+
+
+def test_estimate_communication_with_accumulation_is_a_plus_1_psi_for_stage_2_and_3a_psi_for_stage_3():
+    a = 4  # 32 micro-steps over 8 ranks
+    out = paper_rows(estimate('--params', '13e9', '--world', '8', '--set', f'gradient_accumulation_steps={8 * a}'))
+    assert [row[5] for row in out] == sent(a)
+    assert [tuple(float(c) for c in row[1:5]) for row in out] == PAPER[13e9, 8]  # memory does not depend on a
+
+# -----------------------------------------------------------------------------
+# python zero.py estimate: nanozero as configured, against a real run's startup table
+
+
+def startup_rows(report):
+    """population -> (dtype, counted MB, estimated MB) from memory.startup_table's lines."""
+    found = re.findall(r'^  (\w+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)$', report, flags=re.M)
+    return {name: (dtype, float(counted), float(est)) for name, dtype, counted, est in found}
+
+
+def test_estimate_as_configured_equals_the_startup_table_of_a_real_two_rank_run(tmp_path):
+    config = tmp_path / 'tiny.py'  # test_zero's TINY GPT, bf16 compute: params bf16, fp32 masters and grads
+    config.write_text(''.join(f"{k} = {TINY[k]!r}\n" for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias'))
+                      + "dtype = 'bfloat16'\n")
+    cfg = train.parse_config([str(config)])
+    vocab = train.vocab_size(cfg)  # the config's (GPT-2's, 50304), for the real run too
+    runs = run_ranks(2, [dict(kind=f'zero{s}', accum=2, steps=1, param_dtype=torch.bfloat16, model_kw=dict(vocab_size=vocab))
+                         for s in (1, 2, 3)])
+    cli = configured_rows(estimate('--config', str(config), '--world', '2'))
+    for stage, run in zip((1, 2, 3), runs):
+        assert not isinstance(run, Exception), run
+        table = startup_rows(run['report'])
+        assert list(table) == ['params', 'grads', 'master', 'exp_avg', 'exp_avg_sq']
+        for name, cell in zip(table, cli[stage][1:6]):
+            gb, dtype = cell.split()
+            counted_dtype, counted_mb, estimate_mb = table[name]
+            # the same estimate, printed as 4 significant digits of GB there and 2 decimals of MB here
+            assert abs(float(gb) * 1e3 - estimate_mb) <= 0.005 + 5e-4 * estimate_mb, (stage, name, cell, table[name])
+            assert dtype == counted_dtype, (stage, name)
+        # counted and estimated differ by the pads alone: every population holds padded_numel (or its shard)
+        # where the estimate has Ψ (or Ψ/N)
+        psi, padded = run['psi'], run['padded']
+        assert psi <= padded < psi + 2 * zero.ALIGN * run['n_buckets']  # < N * ALIGN elements a bucket
+        zcfg = train.zero_config({**cfg, 'zero_stage': stage})
+        estimated = memory.model_states(stage, psi, 2, zcfg)
+        for name, (_, counted) in run['populations'].items():
+            assert counted == pytest.approx(estimated[name][1] * padded / psi, rel=1e-12), (stage, name)
+
+# -----------------------------------------------------------------------------
+# zero_stage='auto'
+
+
+def hand_estimates(world):
+    """Per stage, bytes per rank for auto_config's GPT (fp32 compute and grads, 1 MiB buckets), written out from the
+    formulas: model states + transient buffers + activations."""
+    L, C, V, T, B = 4, 128, 256, 16, 1
+    block = 12 * C * C + 2 * C  # c_attn 3C², attn c_proj C², c_fc 4C², mlp c_proj 4C², ln_1 and ln_2 gains (no biases)
+    root = V * C + T * C + C  # wte (tied to lm_head), wpe, ln_f: 34,944, the largest unit is a block (196,864)
+    psi = L * block + root  # 822,400
+    activations = B * T * (L * C * (14 * 4 + 2 * 4) + C * (4 + 4) + 4 * V + 8 * V)  # [Note: activation estimate]
+    return {0: 16 * psi + activations,  # torch DDP: fp32 params, grads, exp_avg, exp_avg_sq
+            1: 4 * psi + 4 * psi + 12 * psi / world + activations,  # fp32 params (the masters) and full flat_grad
+            2: 4 * psi + 12 * psi / world + 2**20 + activations,  # + one 1 MiB grad bucket in flight (> any param)
+            3: 16 * psi / world + 4 * block + 4 * (2 * block + root) + activations}  # + a unit's grads, 2 blocks + root
+
+
+def auto_config(memory_gb):
+    cfg = train.parse_config(['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=16', '--batch_size=1',
+                              '--dtype=float32', '--bucket_mb=1.0', '--zero_stage=auto', f'--memory_gb={memory_gb}'])
+    return cfg, {**train.model_args(cfg, 256), 'vocab_size': 256}
+
+
+@pytest.mark.parametrize('expected', [0, 1, 2, 3])
+def test_auto_picks_the_lowest_stage_that_fits_in_90_percent_of_the_memory(expected):
+    need = hand_estimates(world=8)
+    assert need[0] > need[1] > need[2] > need[3]  # 13.7, 8.4, 6.2, 4.7 MB: each limit lets one more stage in
+    budget = (need[expected] + need[expected - 1]) / 2 if expected else 2 * need[0]  # between two stages' needs
+    cfg, args = auto_config(memory_gb=budget / 0.9 / 1e9)
+    stage, line = train.choose_stage(cfg, torch.device('cpu'), 8, args)
+    assert stage == expected, line
+    assert f"-> stage {expected}, the lowest that fits" in line
+    for s, bytes_needed in need.items():
+        assert f"stage {s} {bytes_needed / 1e9:.3g}" in line  # the reasoning shows the same figures
+
+
+def test_auto_when_nothing_fits_is_a_clear_error():
+    cfg, args = auto_config(memory_gb=0.5 * hand_estimates(world=8)[3] / 1e9)
+    with pytest.raises(ValueError, match=r"-> none fits: use more ranks, a smaller batch_size or block_size"):
+        train.choose_stage(cfg, torch.device('cpu'), 8, args)
+
+
+def test_auto_in_a_real_run_prints_its_reasoning_and_trains_with_the_stage_it_picked(tmp_path):
+    # test_train's torchrun: config/shakespeare_cpu.py, 1 layer x 32, 2 ranks; a limit that stage 1 fits, stage 0 not
+    cfg = train.parse_config(['config/shakespeare_cpu.py', '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16',
+                              '--batch_size=2'])
+    args = train.model_args(cfg, train.vocab_size(cfg))
+    with torch.device('meta'):
+        model = GPT(GPTConfig(**args))
+    psi = sum(p.numel() for p in model.parameters())
+    act = memory.activation_bytes(1, 32, args['vocab_size'], 2 * 16, 4)
+    need = memory.stage_estimates(psi, 2, train.zero_config({**cfg, 'zero_stage': 1}), act,
+                                  *memory.unit_sizes(model, model.transformer.h))
+    assert need[1] < need[0]
+    out = torchrun(2, f'--out_dir={tmp_path}', '--zero_stage=auto', f'--memory_gb={(need[0] + need[1]) / 2 / 0.9 / 1e9}',
+                   '--max_iters=1', '--eval_interval=1')
+    line = next(line for line in out.splitlines() if line.startswith('zero_stage=auto: '))
+    assert line.endswith('-> stage 1, the lowest that fits') and 'zero_stage=1, N=2' in out
+
+# -----------------------------------------------------------------------------
+# activations
+
+
+def saved_by_autograd(model, x, y, autocast):
+    """Bytes of the distinct storages autograd saves for backward in one forward, the params' own left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()  # views of one storage (q, k, v) count once
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        model(x, y)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize('L, C, V, T', [(2, 64, 512, 32), (3, 128, 256, 64), (1, 32, 2048, 16)])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_activation_formula_matches_what_autograd_saves_within_2_percent(L, C, V, T, dtype):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=L, n_head=4, n_embd=C, block_size=T, vocab_size=V, bias=False)).to(dtype)
+    x, y = torch.randint(V, (2, 2, T))
+    autocast = nullcontext() if dtype == torch.float32 else torch.autocast('cpu', dtype)
+    saved = saved_by_autograd(model, x, y, autocast)
+    formula = memory.saved_bytes(L, C, V, 2 * T, dtype.itemsize)
+    if dtype == torch.bfloat16:  # CPU autocast keeps layer_norm in bf16, where CUDA's runs it (and saves its input) in fp32
+        formula -= 2 * T * L * C * 2 * (4 - dtype.itemsize)
+    assert abs(formula / saved - 1) < 0.02, (saved, formula)  # left out: norm statistics, logsumexps, token ids
+
+# -----------------------------------------------------------------------------
+# the profiler
+
+
+def test_profile_writes_a_chrome_trace_with_our_named_ranges(tmp_path):
+    torchrun(2, f'--out_dir={tmp_path}', '--zero_stage=3', '--profile=True', '--max_iters=5', '--eval_interval=100')
+    trace = json.load(open(tmp_path / 'trace_rank0.json'))
+    names = {event.get('name', '') for event in trace['traceEvents']}
+    for prefix in ('reduce_scatter bucket ', 'wait reduce_scatter bucket ', 'all_gather unit ', 'wait all_gather unit '):
+        assert any(re.fullmatch(re.escape(prefix) + r'\d+', n) for n in names), prefix
+
+# -----------------------------------------------------------------------------
+# python bench.py scale
+
+
+def test_bench_scale_prints_a_row_per_kind_and_counts_what_the_estimator_says():
+    cmd = [sys.executable, 'bench.py', 'scale', '--quick', '--world=64'] + [
+        f'--set={kv}' for kv in ('n_layer=2', 'n_head=2', 'n_embd=32', 'block_size=16', 'batch_size=2')]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=QUIET)
+    assert out.returncode == 0, out.stderr[-3000:]
+    table = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip('|').split('|')]
+                                               for line in out.stdout.splitlines() if line.startswith('| '))}
+    assert list(table) == ['kind', 'zero1', 'zero2', 'zero3', 'fsdp2'], out.stdout
+    for kind in ('zero1', 'zero2', 'zero3'):
+        estimated, measured, ratio = map(float, table[kind][:3])
+        assert 0.95 <= ratio <= 1.05 and 0.95 <= measured / estimated <= 1.05, (kind, table[kind])
+    assert all(float(cell) > 0 for cell in table['fsdp2'][:5])  # fsdp2 ran; its ratio is the chunking's business
