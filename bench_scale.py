@@ -29,7 +29,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import bench_zero
 import memory
 import train
-import zero
 from model import GPT, GPTConfig
 
 KINDS = ('zero1', 'zero2', 'zero3', 'fsdp2')
@@ -86,22 +85,10 @@ def build_fsdp2(cfg, device, args, world_size):
 def states_after_step(engine):
     """Model-state bytes alive between steps, counted from tensors: both free their grads after the step."""
     if bench_zero.ours(engine):
-        pops = {k: b for k, (_, b) in engine.populations().items() if k != 'grads'}
-        return sum(pops.values()) + zero.nbytes(engine.grad_shard) + zero.nbytes(engine.flat_grad)
-    pops = engine.populations()
+        pops = {k: b for k, (_, b) in memory.counted_states(engine).items() if k != 'grads'}
+        return sum(pops.values()) + sum(memory.nbytes(b.grad_shard) for b in engine.buckets) + memory.nbytes(engine.flat_grad)
+    pops = engine.populations()  # bench_zero.TorchEngine: torch's tensors
     return pops['params'] + pops['optimizer state'] + sum(bench_zero.nbytes(p.grad) for p in engine.params if p.grad is not None)
-
-
-def gather_in_place_under_fake_group():
-    """zero.Comm.all_gather, under the fake process group, writes its input into every row of its output. Stages 1
-    and 2 gather in place (the input is the output's own row), which copy_ refuses for overlapping memory: so the
-    input is given as a copy (one shard-sized buffer per bucket per step, here only)."""
-    all_gather = zero.Comm.all_gather
-
-    def call(comm, out, inp, **kwargs):
-        overlaps = comm.fake and inp.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
-        return all_gather(comm, out, inp.clone() if overlaps else inp, **kwargs)
-    zero.Comm.all_gather = call
 
 
 def measure(kind, cfg, world_size, quick):
@@ -111,7 +98,6 @@ def measure(kind, cfg, world_size, quick):
         device = torch.device('cuda', 0)
         torch.cuda.set_device(device)
     dist.init_process_group('fake', rank=0, world_size=world_size, store=FakeStore())
-    gather_in_place_under_fake_group()
     train.prepare_data(cfg, rank=0)
     data = train.load_split(train.data_dir(cfg), 'train')
     args = train.model_args(cfg, train.vocab_size(cfg))
@@ -141,7 +127,8 @@ def measure(kind, cfg, world_size, quick):
         sync()
         times.append(time.perf_counter() - t0)
     steps_peak = peak_bytes(device)
-    pops = {k: v if isinstance(v, int) else v[1] for k, v in engine.populations().items()}  # ours: (dtype, bytes)
+    counted = memory.counted_states(engine) if bench_zero.ours(engine) else engine.populations()  # ours: (dtype, bytes)
+    pops = {k: v if isinstance(v, int) else v[1] for k, v in counted.items()}
     dist.destroy_process_group()
     return dict(kind=kind, psi=engine.psi, estimate=sum(b for _, b in estimate.values()), populations=pops,
                 pads=engine.flat_numel - engine.psi if bench_zero.ours(engine) else None,
@@ -177,7 +164,7 @@ def run_kind(kind, args):
 NOTES = """\
 - model states: params + grads + optimizer state of rank 0, MB = 1e6 bytes. estimated: memory.model_states (the
   estimator, Ψ/N per sharded population; fsdp2 with stage 3's: it holds the same 16Ψ/N). measured: counted from
-  tensors, ours by engine.populations() (grads: the bytes they take during a step), fsdp2 from the DTensor local
+  tensors, ours by memory.counted_states(engine) (grads: the bytes they take during a step), fsdp2 from the DTensor local
   shards of params, of grads right after backward, and of the optimizer state. B/param: measured / Ψ.
 - after step: the same, counted from live tensors between steps (both free their grads after a step).
 - peak during steps: after 2 warm-up steps, the high-water mark over the timed steps; on CPU of the process's

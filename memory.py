@@ -29,7 +29,7 @@ def paper_states(stage, psi, world, k=12):
 
 def model_states(stage, psi, world, cfg):
     """nanozero as configured (a zero.ZeroConfig): population -> (dtype or None, bytes per rank during a step).
-    The engines' populations() count the same from their tensors (padding aside: shards are padded up to a
+    counted_states(engine) counts the same from an engine's tensors (padding aside: shards are padded up to a
     multiple of 8 elements per rank and bucket, or 256 with 8-bit state)."""
     if stage == 0:  # torch DDP + AdamW: fp32 params (autocast computes in param_dtype), fp32 grads and moments
         return {k: (torch.float32, 4 * psi) for k in ('params', 'grads', 'exp_avg', 'exp_avg_sq')}
@@ -143,6 +143,27 @@ def unit_sizes(model, units):
 # the startup table: counted next to estimated
 
 
+def nbytes(tensor):
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def counted_states(engine):
+    """What an engine (zero.py, stages 0-3) holds, per population: (dtype, or None where not held; bytes during a
+    step), counted from its tensors; the grads, which live from a step's first grad to its end, from their sizes."""
+    if engine.stage == 0:  # DDP + torch AdamW: fp32 params, grads (in DDP's buckets), exp_avg, exp_avg_sq
+        return {k: (torch.float32, 4 * engine.psi) for k in ('params', 'grads', 'exp_avg', 'exp_avg_sq')}
+    reduce = engine.cfg.reduce_dtype
+    params = engine.param_shards if engine.stage == 3 else engine.flat_param  # stage 3: None next to an fp32 master
+    out = {'params': (getattr(params, 'dtype', None), nbytes(params)),
+           'grads': (reduce if engine.stage == 1 else torch.float32,
+                     4 * engine.shard_numel + (reduce.itemsize * engine.flat_numel if engine.stage == 1 else 0)),
+           'master': (getattr(engine.master, 'dtype', None), nbytes(engine.master))}
+    for k, name in enumerate(('exp_avg', 'exp_avg_sq')):  # 8-bit: the codes and one fp32 absmax per block
+        state = getattr(engine, name)
+        out[name] = (state.dtype, nbytes(state) + (nbytes(engine.absmax[k]) if engine.absmax else 0))
+    return out
+
+
 def dtype_name(dtype):
     return '-' if dtype is None else 'uint8+absmax' if dtype == torch.uint8 else str(dtype).replace('torch.', '')
 
@@ -155,7 +176,7 @@ def startup_table(engine, world_size):
     lines = [f"model states per rank, Ψ = {psi:,} trainable params, zero_stage={engine.stage}, N={world_size} "
              f"(MB = 1e6 bytes, held during a step):",
              f"  {'population':<11} {'dtype':<13} {'counted':>9} {'estimate':>9}"]
-    counted = engine.populations()
+    counted = counted_states(engine)
     for name, (dtype, nbytes) in counted.items():
         lines.append(f"  {name:<11} {dtype_name(dtype):<13} {nbytes / 1e6:>9.2f} {estimate[name][1] / 1e6:>9.2f}")
     total, total_estimate = sum(b for _, b in counted.values()), sum(b for _, b in estimate.values())

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import memory
 import train
 
 PATTERNS = {  # name -> the train.py keys that make it
@@ -56,7 +57,7 @@ def run(cfg, every):
         t0 = time.perf_counter()
         train.train_step(engine, batches, train.get_lr(it, cfg), autocast)
         seconds += time.perf_counter() - t0
-    states = sum(nbytes for _, nbytes in engine.populations().values())
+    states = sum(nbytes for _, nbytes in memory.counted_states(engine).values())
     return curve, states / engine.psi, cfg['max_iters'] * cfg['batch_size'] * cfg['block_size'] / seconds
 
 

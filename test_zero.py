@@ -169,7 +169,7 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
     if compile:
         info.update(graphs_after_first_step=graphs, graphs=torch._dynamo.utils.counters['stats']['unique_graphs'])
     if kind == 'ddp' or kind.startswith('zero'):
-        info.update(populations=engine.populations(), psi=engine.psi, comm=dict(engine.comm.numel),
+        info.update(populations=memory.counted_states(engine), psi=engine.psi, comm=dict(engine.comm.numel),
                     report=memory.startup_table(engine, world_size))
     if kind.startswith('zero'):
         info.update(shard_numel=engine.shard_numel, padded=engine.flat_numel,

@@ -66,8 +66,8 @@ class Comm:
         self.count('all_gather', out)
         with record_function(name):
             work = dist.all_gather_into_tensor(out, inp, group=self.process_group, async_op=async_op)
-        if self.fake:
-            out.view(self.world_size, -1).copy_(inp)
+        if self.fake:  # (a copy of inp: stages 1/2 gather in place, inp is a row of out)
+            out.view(self.world_size, -1).copy_(inp.clone())
         return work
 
     def reduce_scatter(self, out, inp, async_op=False, name='reduce_scatter'):
@@ -140,6 +140,7 @@ class Bucket:
         # its flat buffer in the concatenation of all buckets (a global index for every element)
         self.index = self.shard_offset = self.flat_offset = None
         self.flat_grad = None  # (padded_numel,) in reduce_dtype while grads are being collected
+        self.grad_shard = None  # (shard_numel,) fp32: this rank's reduced grads, from the first reduce-scatter to the step
         self.ready = set()  # params whose grad is in flat_grad during this backward
 
     def views(self, flat):
@@ -245,10 +246,6 @@ class DataParallel:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def populations(self):
-        n = self.psi * 4  # fp32 params, grads (in DDP's buckets), exp_avg, exp_avg_sq
-        return {k: (torch.float32, n) for k in ('params', 'grads', 'exp_avg', 'exp_avg_sq')}
-
 # -----------------------------------------------------------------------------
 # Stage 1: shard the optimizer state
 #
@@ -314,7 +311,7 @@ class Zero1:
             self.absmax = (absmax_m, absmax_v)
         else:
             self.exp_avg, self.exp_avg_sq, self.absmax = self.new_state(state_dtype), self.new_state(state_dtype), None
-        self.flat_grad = self.grad_shard = None  # exist from a step's first grad to the end of its step
+        self.flat_grad = None  # stage 1's full grads: from a step's first grad to the end of its step
         self.found_inf = torch.zeros(1, device=self.device)  # the kernel's flag; step() already skips on a non-finite norm
         self.step_count = 0
         self.scaler = LossScaler(enabled=cfg.param_dtype == torch.float16)
@@ -443,9 +440,9 @@ class Zero1:
         for b, work, out in self.in_flight:
             with record_function(f'wait reduce_scatter bucket {b.index}'):
                 work.wait()
-            if self.grad_shard is None:  # fp32, from the first reduce-scatter of a step to the end of the step
-                self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
-            self.grad_shard[b.shard_slice] += out  # fp32 accumulator (stages 2/3: across micro-steps)
+            # the bucket's fp32 grad shard starts as its first reduce-scatter's output and accumulates the next
+            # micro-steps' (stages 2/3); it lives until the step, like FSDP2's sharded grads
+            b.grad_shard = out.float() if b.grad_shard is None else b.grad_shard.add_(out)
             self.reduced(b)
         self.in_flight = []
 
@@ -468,10 +465,11 @@ class Zero1:
     @torch.no_grad()
     def step(self, lr):
         cfg, scale = self.cfg, self.scaler.scale
-        if self.grad_shard is None:  # no backward since the last step
-            self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+        for b in self.buckets:
+            if b.grad_shard is None:  # no backward since the last step
+                b.grad_shard = torch.zeros(b.shard_numel, dtype=torch.float32, device=self.device)
         # global grad norm: shards are disjoint and pads are 0, so the sum of every rank's squares is exact
-        sumsq = self.grad_shard.square().sum()
+        sumsq = torch.stack([b.grad_shard.square().sum() for b in self.buckets]).sum()
         self.comm.all_reduce_sum(sumsq)
         grad_norm = sumsq.sqrt().item() / scale  # the grads hold the loss scale (1 unless fp16)
         self.scaler.update(finite=math.isfinite(grad_norm))
@@ -484,7 +482,7 @@ class Zero1:
         gathers = []
         for b in self.buckets:
             s, (master, param) = b.shard_slice, self.step_tensors(b)
-            kernels.adamw_step(master, self.grad_shard[s], self.exp_avg[s], self.exp_avg_sq[s], param, self.found_inf,
+            kernels.adamw_step(master, b.grad_shard, self.exp_avg[s], self.exp_avg_sq[s], param, self.found_inf,
                                lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                                decay_numel=b.shard_decay_numel, step=self.step_count, grad_scale=clip / scale,
                                absmax=self.absmax_of(b), rounding_seed=seed,
@@ -508,30 +506,9 @@ class Zero1:
         return self.comm.all_gather(b.flat_param, self.param_shard(b), async_op=True, name=f'all_gather bucket {b.index}')
 
     def zero_grad(self):
-        self.flat_grad = self.grad_shard = None
+        self.flat_grad = None
         for b in self.buckets:
-            b.flat_grad = None
-
-    # --- what each rank holds (memory.py turns it into the startup table)
-
-    def populations(self):
-        """population -> (dtype, or None where not held; bytes this rank holds during a step), counted from the
-        tensors this object owns; the grads, which live from a step's first grad to its end, from their sizes."""
-        grads = self.shard_numel * 4 + (self.flat_numel * self.cfg.reduce_dtype.itemsize if self.stage == 1 else 0)
-        params = self.param_tensor()
-        pops = {'params': (getattr(params, 'dtype', None), nbytes(params)),
-                'grads': (self.cfg.reduce_dtype if self.stage == 1 else torch.float32, grads),
-                'master': (getattr(self.master, 'dtype', None), nbytes(self.master))}
-        for k, name in enumerate(('exp_avg', 'exp_avg_sq')):
-            pops[name] = (getattr(self, name).dtype, nbytes(getattr(self, name)) + nbytes(self.absmax and self.absmax[k]))
-        return pops
-
-    def param_tensor(self):
-        return self.flat_param
-
-
-def nbytes(tensor):
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+            b.flat_grad = b.grad_shard = None
 
 # -----------------------------------------------------------------------------
 # Stage 2: ... and shard the grads
@@ -539,7 +516,7 @@ def nbytes(tensor):
 
 class Zero2(Zero1):
     """No full flat_grad: a bucket's grad buffer exists only while its reduce-scatter is in flight; the
-    reduced slice is added into the fp32 grad_shard. Since no full grad is kept, every
+    reduced slice is added into the bucket's fp32 grad_shard. Since no full grad is kept, every
     micro-step's backward reduce-scatters (the trade: a Ψ per micro-step instead of Ψ per step)."""
     stage = 2
 
@@ -596,8 +573,6 @@ class Zero3(Zero2):
     def param_shard(self, b):
         return None if self.param_shards is None else self.param_shards[b.shard_slice]
 
-    def param_tensor(self):
-        return self.param_shards
 
     def launched(self, b):
         self.units[b.index].post_backward()  # the unit's grads are all in its bucket: its params can go
