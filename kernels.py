@@ -74,6 +74,14 @@ class Precision:
         """Shard lengths must be a multiple of this: int8 blocks never straddle ranks."""
         return 256 if self.state_dtype == 'int8' else 1
 
+    def zero_moments(self, n, device):
+        """(exp_avg, exp_avg_sq, absmax) of an n-element shard, all zero: fp32 or bf16 tensors and absmax None,
+        or 8-bit codes of zero with one fp32 absmax per 256-element block, (exp_avg's, exp_avg_sq's)."""
+        if self.state_dtype != 'int8':
+            return (*(torch.zeros(n, dtype=self.state_torch_dtype, device=device) for _ in range(2)), None)
+        (m, m_absmax), (v, v_absmax) = (quantize(torch.zeros(n, device=device), signed) for signed in (True, False))
+        return m, v, (m_absmax, v_absmax)
+
     def bytes_per_element(self, param_dtype):
         master = self.master_dtype(param_dtype)
         state = {'float32': 4, 'bfloat16': 2, 'int8': 1 + 4 / 256}[self.state_dtype]  # int8: + one fp32 absmax per 256

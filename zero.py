@@ -126,7 +126,8 @@ ALIGN = 8  # shard sizes are multiples of 8 elements: 16 bytes of bf16, 32 of fp
 
 class Bucket:
 
-    def __init__(self, params, world_size, rank, decays, align=ALIGN):
+    def __init__(self, params, world_size, rank, decays, align=1):
+        align = max(ALIGN, align)  # 8-bit state asks for its 256-element blocks
         self.params = sorted(params, key=lambda p: not decays(p))  # stable: decayed first, order kept
         sizes = [p.numel() for p in self.params]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -303,14 +304,9 @@ class Zero1:
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         # 2) the sharded optimizer state: one (shard_numel,) tensor per population, a slice per bucket
         master_dtype = self.precision.master_dtype(cfg.param_dtype)
-        self.master = None if master_dtype is None else self.new_state(master_dtype)
-        state_dtype = self.precision.state_torch_dtype
-        if state_dtype == torch.uint8:  # 8-bit moments: codes + one fp32 absmax per 256-element block
-            zeros = torch.zeros(self.shard_numel, device=self.device)
-            (self.exp_avg, absmax_m), (self.exp_avg_sq, absmax_v) = (kernels.quantize(zeros, signed=s) for s in (True, False))
-            self.absmax = (absmax_m, absmax_v)
-        else:
-            self.exp_avg, self.exp_avg_sq, self.absmax = self.new_state(state_dtype), self.new_state(state_dtype), None
+        self.master = None if master_dtype is None else torch.zeros(self.shard_numel, dtype=master_dtype, device=self.device)
+        # (8-bit moments: uint8 codes, and self.absmax holds one fp32 scale per 256-element block of each)
+        self.exp_avg, self.exp_avg_sq, self.absmax = self.precision.zero_moments(self.shard_numel, self.device)
         self.flat_grad = None  # stage 1's full grads: from a step's first grad to the end of its step
         self.found_inf = torch.zeros(1, device=self.device)  # the kernel's flag; step() already skips on a non-finite norm
         self.step_count = 0
@@ -319,10 +315,8 @@ class Zero1:
         self.init_params()
         for name, p in model.named_parameters():  # frozen params: not sharded, in the compute dtype everywhere
             if not p.requires_grad:
-                was_meta = p.is_meta
-                fsdp_lite.point_param_at(p, self.pack_one(name, p).to(cfg.param_dtype))
-                if not was_meta:
-                    self.comm.broadcast(p.data)
+                self.comm.broadcast(value := self.pack_one(name, p).to(cfg.param_dtype))  # as in pack()
+                fsdp_lite.point_param_at(p, value)
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
         self.sync = True
@@ -332,14 +326,7 @@ class Zero1:
 
     def plan_buckets(self, model, params, units):
         bucket_numel = self.cfg.bucket_mb * 2**20 // self.cfg.reduce_dtype.itemsize
-        return plan_buckets(params[::-1], bucket_numel, self.comm.world_size, self.comm.rank, self.align)
-
-    @property
-    def align(self):
-        return max(ALIGN, self.precision.align)
-
-    def new_state(self, dtype):
-        return torch.zeros(self.shard_numel, dtype=dtype, device=self.device)
+        return plan_buckets(params[::-1], bucket_numel, self.comm.world_size, self.comm.rank, self.precision.align)
 
     def pack(self, b):
         """The bucket's initial values, fp32 (padded_numel,). [Note: meta-device init] A model built on the meta
@@ -496,10 +483,8 @@ class Zero1:
 
     def absmax_of(self, b):
         """8-bit state: this bucket's slice of the per-block scales (shard offsets are multiples of the block)."""
-        if self.exp_avg.dtype != torch.uint8:
-            return None
         blocks = slice(b.shard_offset // self.precision.align, (b.shard_offset + b.shard_numel) // self.precision.align)
-        return tuple(a[blocks] for a in self.absmax)
+        return None if self.absmax is None else tuple(a[blocks] for a in self.absmax)
 
     def gather_params(self, b):
         """Every rank needs every new param: all-gather in place (this rank's slice is the input)."""
@@ -555,7 +540,7 @@ class Zero3(Zero2):
         unit_params = [(u, [p for p in u.parameters() if p.requires_grad]) for u in units]
         in_units = {p for _, ps in unit_params for p in ps}
         unit_params = unit_params[::-1] + [(model, [p for p in params if p not in in_units])]
-        self.pairs = [(m, Bucket(ps, self.comm.world_size, self.comm.rank, default_decays, self.align))
+        self.pairs = [(m, Bucket(ps, self.comm.world_size, self.comm.rank, default_decays, self.precision.align))
                       for m, ps in unit_params if ps]
         return [b for _, b in self.pairs]
 
@@ -563,16 +548,14 @@ class Zero3(Zero2):
         # the sharded param each unit all-gathers from: the master itself when it is kept in fp32 (the unit
         # rounds it to param_dtype on the way in), else a stored shard in param_dtype ([Note: who holds the master])
         keeps_shard = self.master is None or self.master.dtype != torch.float32
-        self.param_shards = self.new_state(self.cfg.param_dtype) if keeps_shard else None
+        self.param_shards = torch.empty(self.shard_numel, dtype=self.cfg.param_dtype, device=self.device) if keeps_shard else None
         for b in self.buckets:
             self.set_master(b, b.shard(self.pack(b)))  # one unit's fp32 values alive at a time
-        sharded = [(self.param_shards if keeps_shard else self.master)[b.shard_slice] for b in self.buckets]
-        self.units = fsdp_lite.fully_shard([(m, b, s) for (m, b), s in zip(self.pairs, sharded)], self.model,
-                                           self.comm, self.cfg)
+        self.units = fsdp_lite.fully_shard([(m, b, (self.param_shards if keeps_shard else self.master)[b.shard_slice])
+                                            for m, b in self.pairs], self.model, self.comm, self.cfg)
 
     def param_shard(self, b):
         return None if self.param_shards is None else self.param_shards[b.shard_slice]
-
 
     def launched(self, b):
         self.units[b.index].post_backward()  # the unit's grads are all in its bucket: its params can go
@@ -585,7 +568,7 @@ class Zero3(Zero2):
         return None
 
 
-def plan_buckets(params, bucket_numel, world_size, rank, align=ALIGN):
+def plan_buckets(params, bucket_numel, world_size, rank, align=1):
     """Greedy, in order: start a new bucket when the next param would overflow this one (a param bigger
     than bucket_numel gets a bucket to itself)."""
     buckets, current, numel = [], [], 0
