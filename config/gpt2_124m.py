@@ -4,6 +4,8 @@
 # 12 batch * 1024 tokens * 40 micro-steps (5 per GPU * 8 GPUs) = 491,520.
 # Data: the Shakespeare plays by default (1.4M tokens: a model this size memorizes them, so watch val
 # loss); for real pretraining prepare your own corpus: python data/shakespeare/prepare.py --input=... --out_dir=data/NAME
+# On a CPU, a small model with 2 gloo ranks:
+# torchrun --standalone --nproc_per_node=2 train.py config/gpt2_124m.py --device=cpu --dtype=float32 --n_layer=4 --n_head=4 --n_embd=128 --block_size=64 --batch_size=8 --gradient_accumulation_steps=2 --max_iters=100
 out_dir = 'out-gpt2-124m'
 dataset = 'shakespeare'
 batch_size = 12
