@@ -2,33 +2,32 @@
 Checkpoints that survive anything: sharded, atomic, resumable at another world size and stage, and
 consolidated into one nanoGPT-layout file on demand.
 
-    out_dir/ckpt-00000250/rank00000.pt ...   each rank's own shards, in the form its precision stores them
+    out_dir/ckpt-00000250/rank00000.pt ...   each rank's own shards
     out_dir/ckpt-00000250/manifest.json      written last, by rank 0: the flat layout, config, iteration, ...
 
     python checkpoint.py consolidate out-shakespeare-char -o model.pt [--dtype bfloat16]   # needs no GPU, no ranks
     python sample.py --ckpt=model.pt            (sample.py also reads a checkpoint directory directly)
 
-A save writes what the rank owns and nothing else: its slices of the masters, exp_avg and exp_avg_sq (and
-of the bf16 params where they are part of the master: remainder, none), one bucket at a time to host
-memory. Stage 0 (DDP) has one copy of everything, written by rank 0 as a 1-rank layout.
+A save writes what the rank owns and nothing else, one bucket at a time to host memory: its slices of the
+masters (in the form its precision keeps them), exp_avg and exp_avg_sq. Stage 0 (DDP) has one copy of
+everything, written by rank 0 as a 1-rank layout.
 
 [Note: atomic checkpoints] Every rank writes into ckpt-N.tmp/; after a barrier rank 0 writes the manifest
 (with every file's size) and renames the directory to ckpt-N. A rename is atomic, so a crash at any
 moment leaves either no ckpt-N or a complete one; resume takes the newest directory with a manifest and
 checks every file against it. Leftover .tmp directories are removed by the next save, and only the newest
 keep_last complete checkpoints stay (the manifest is deleted first, so a crash while pruning cannot leave a
-directory that looks complete). A restarted worker (torchrun --max-restarts) resumes from the newest one. A
-run from scratch refuses an out_dir that already holds checkpoints: they belong to another run, and a restart
-or a keep_last cleanup would mix the two. (Several nodes need out_dir on a shared filesystem.)
+directory that looks complete). A restarted worker (torchrun --max-restarts=N; with torch >= 2.5 also set
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see test_checkpoint.py) resumes from the newest one. A run from scratch
+refuses an out_dir that holds checkpoints: they belong to another run, and a restart or a keep_last cleanup
+would mix the two. (Several nodes need out_dir on a shared filesystem.)
 
 [Note: resume anywhere] The manifest says where every param's elements live: bucket, offset, shard size,
 world size. A run with the same layout copies its own file back, bit for bit. Any other world size, stage
 or bucket size rebuilds its shards from the old ones: for each param piece it owns, it reads that range
 from whichever old ranks held it (memory-mapped, so only what is read is loaded), decoded to fp32, and
 stores it in its own precision. No conversion step for the user.
-
-Every rank and barrier is the engine's process group's (engine.comm), so a checkpoint knows nothing of the
-other ranks of a bigger job.
+Ranks and barriers are the engine's process group's (engine.comm), not necessarily the whole job's.
 """
 import argparse
 import glob
@@ -55,11 +54,9 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 def layout(engine):
     """Per bucket: the params (name, shape, offset in the padded flat), sizes and where the shard lives."""
     if engine.stage == 0:  # one copy: a 1-rank layout, no padding
-        offsets = [sum(p.numel() for p in engine.params[:i]) for i in range(len(engine.params))]
-        names = {p: n for n, p in engine.model.named_parameters()}
-        numel = sum(p.numel() for p in engine.params)
-        return [dict(params=[[names[p], list(p.shape), o] for p, o in zip(engine.params, offsets)], numel=numel,
-                     padded_numel=numel, shard_numel=numel, shard_offset=0, flat_offset=0)]
+        names, sizes = {p: n for n, p in engine.model.named_parameters()}, [p.numel() for p in engine.params]
+        return [dict(params=[[names[p], list(p.shape), sum(sizes[:i])] for i, p in enumerate(engine.params)],
+                     numel=sum(sizes), padded_numel=sum(sizes), shard_numel=sum(sizes), shard_offset=0, flat_offset=0)]
     return [dict(params=[[engine.names[p], list(p.shape), o] for p, o in zip(b.params, b.offsets)], numel=b.numel,
                  padded_numel=b.padded_numel, shard_numel=b.shard_numel, shard_offset=b.shard_offset,
                  flat_offset=b.flat_offset) for b in engine.buckets]
@@ -68,39 +65,33 @@ def layout(engine):
 def pieces(engine, b):
     """This rank's stored tensors for bucket b: whatever its precision keeps (see zero.py [Note: who holds the master])."""
     master, param = engine.step_tensors(b)
-    out = {'exp_avg': engine.exp_avg[b.shard_slice], 'exp_avg_sq': engine.exp_avg_sq[b.shard_slice]}
-    if master is not None:
-        out['master'] = master
-    if param is not None and (master is None or master.dtype == torch.int16):
-        out['param'] = param  # part of the master; next to an fp32 master the params are only its rounding
-    absmax = engine.absmax_of(b)
-    if absmax is not None:
-        out['exp_avg_absmax'], out['exp_avg_sq_absmax'] = absmax
-    return out
+    absmax = engine.absmax_of(b) or (None, None)
+    keeps_param = master is None or master.dtype == torch.int16  # part of the master (else only its rounding)
+    out = dict(master=master, param=param if keeps_param else None, exp_avg=engine.exp_avg[b.shard_slice],
+               exp_avg_sq=engine.exp_avg_sq[b.shard_slice], exp_avg_absmax=absmax[0], exp_avg_sq_absmax=absmax[1])
+    return {name: t for name, t in out.items() if t is not None}
 
 
 def rank_state(engine):
-    """{name: host tensor}: this rank's pieces of every bucket, concatenated, copied one bucket at a time."""
-    if engine.stage == 0:  # torch's AdamW keeps no moments for a param until its first step
+    """{name: host tensor}: this rank's pieces of every bucket (stage 0: of every param), one after another,
+    each copied straight into its place in one host tensor per name (no second host copy)."""
+    if engine.stage == 0:  # torch's AdamW keeps no moments for a param before its first step
         state = {p: engine.optimizer.state.get(p, {}) for p in engine.params}
-        return {'master': torch.cat([p.detach().float().flatten().cpu() for p in engine.params]),
-                **{k: torch.cat([state[p].get(k, torch.zeros_like(p)).flatten().cpu() for p in engine.params])
-                   for k in ('exp_avg', 'exp_avg_sq')}}
-    per_bucket = [pieces(engine, b) for b in engine.buckets]
+        parts = [{'master': p.detach(), **{k: state[p].get(k, torch.zeros_like(p)) for k in POPULATIONS[1:]}}
+                 for p in engine.params]
+    else:
+        parts = [pieces(engine, b) for b in engine.buckets]
     out = {}
-    for name in per_bucket[0]:
-        out[name] = torch.empty(sum(p[name].numel() for p in per_bucket), dtype=per_bucket[0][name].dtype)
-        start = 0
-        for p in per_bucket:
-            out[name][start:start + p[name].numel()].copy_(p[name])
-            start += p[name].numel()
+    for name in parts[0]:
+        out[name] = torch.empty(sum(part[name].numel() for part in parts), dtype=parts[0][name].dtype)
+        for part, place in zip(parts, out[name].split([part[name].numel() for part in parts])):
+            place.copy_(part[name].flatten())
     return out
 
 
 def step_count(engine):
-    if engine.stage == 0:
-        state = engine.optimizer.state.get(engine.params[0], {})
-        return int(state['step']) if 'step' in state else 0
+    if engine.stage == 0:  # torch's AdamW counts per param
+        return int(engine.optimizer.state.get(engine.params[0], {}).get('step', 0))
     return engine.step_count
 
 # -----------------------------------------------------------------------------
@@ -144,7 +135,9 @@ def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
             os.fsync(f.fileno())
         fault_point('manifest', iter_num)
         os.rename(tmp, final)
-        fsync_dir(out_dir)  # the rename itself survives a power cut
+        fd = os.open(out_dir, os.O_RDONLY)  # the rename itself survives a power cut
+        os.fsync(fd)
+        os.close(fd)
         prune(out_dir, cfg['keep_last'])
     dist.barrier(group=process_group)
     return final
@@ -155,14 +148,6 @@ def write(obj, path):
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def prune(out_dir, keep_last):
@@ -182,10 +167,9 @@ def scaler_state(engine):
 
 
 def fault_point(where, iteration):
-    """A test hook (test_checkpoint.py): NANOZERO_FAULT=where:iteration:rank SIGKILLs that rank there: 'step'
-    (after an optimizer step), 'save' (after the rank wrote its file) or 'manifest' (after rank 0 wrote the
-    manifest, before the rename). A comma-separated list kills once per attempt: its k-th entry on torchrun's
-    k-th restart (TORCHELASTIC_RESTART_COUNT), so one job can die twice in different places."""
+    """A test hook: NANOZERO_FAULT=where:iteration:rank SIGKILLs that rank at 'step' (after an optimizer step),
+    'save' (after it wrote its file) or 'manifest' (rank 0, before the rename). A comma-separated list: the k-th
+    entry on torchrun's k-th restart (TORCHELASTIC_RESTART_COUNT), so one job can die in several places."""
     faults = os.environ.get('NANOZERO_FAULT', '').split(',')
     attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
     if attempt < len(faults) and faults[attempt] == f"{where}:{iteration}:{os.environ.get('RANK')}":
@@ -233,9 +217,9 @@ def find_resume(cfg, model_args):
             raise ValueError(f"{path} is a checkpoint of an earlier run and init_from='scratch': continue it with "
                              f"init_from='resume', or start over in another out_dir (or delete its ckpt-* directories)")
         return None
+    if path is None and restarted:  # died before its first checkpoint: start over
+        return None
     if path is None:
-        if restarted:
-            return None
         raise ValueError(f"init_from='resume': no complete checkpoint (ckpt-*/manifest.json) in {cfg['out_dir']}")
     manifest = read_manifest(path)
     differ = {k: (manifest['model_args'].get(k), model_args.get(k)) for k in SHAPE_ARGS
@@ -281,8 +265,6 @@ class Shards:
 
     def read(self, name, population, a, c):
         """fp32 values of elements [a, c) of param `name` (flattened), from whichever ranks hold them."""
-        if name not in self.where:
-            raise ValueError(f"{self.path}: the checkpoint has no param {name}")
         bucket, offset = self.where[name]
         size, out = bucket['shard_numel'], []
         g, end = offset + a, offset + c  # positions in the bucket's padded flat
@@ -368,9 +350,7 @@ def load_stage0(engine, shards, manifest):
 
 def resolve(path):
     """A checkpoint directory, or an out_dir (its newest complete checkpoint)."""
-    if os.path.exists(os.path.join(path, 'manifest.json')):
-        return path
-    found = latest(path)
+    found = path if os.path.exists(os.path.join(path, 'manifest.json')) else latest(path)
     if found is None:
         raise ValueError(f"{path}: neither a checkpoint (no manifest.json) nor an out_dir with one (ckpt-*/manifest.json)")
     return found
@@ -401,8 +381,7 @@ def dataset_meta(dataset):
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        meta = json.load(f)
-    return {k: meta[k] for k in ('tokenizer', 'chars', 'vocab_size') if k in meta}
+        return json.load(f)
 
 
 def consolidate(path, out_file, dtype=torch.float32):

@@ -12,6 +12,7 @@ Two ways to run ranks:
   get_lr) on process groups of the first 1, 2, 3 or 4 ranks, so that a checkpoint saved by 4 ranks at stage 3
   is resumed by 1 rank at stage 1 in the same spawn. The comparisons are test_zero's (assert_same_run).
 """
+import atexit
 import datetime
 import functools
 import os
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from unittest import mock
 
 import pytest
@@ -56,41 +58,61 @@ def build(cfg, process_group):
                              process_group=process_group, device=CPU)
 
 
-def run(rank, groups, root, name, world, stage, stop, accum=4, start=0, resume=None, save_at=(), bug=False,
-        measure_save=False, slow_write=False, litter=False, **overrides):
-    """Train iterations [start, stop) on ranks 0..world-1, from scratch or from root/resume (a ckpt-N path),
-    saving into root/name at save_at. bug=True: every rank takes rank 0's micro-batches (a data-parallel bug).
-    Returns the global loss and grad norm of each iteration (numbered as train.py logs them) and, with
-    measure_save, the save's peak host memory growth next to what the rank owns."""
-    if rank >= world:
+@dataclass
+class Run:
+    """One training run of a job, on the spawn's first `world` ranks; its out_dir is <job directory>/<name>."""
+    name: str
+    world: int
+    stage: int
+    stop: int  # trains iterations [start, stop)
+    start: int = 0
+    resume: str = None  # a checkpoint in the job directory, e.g. 'straight/ckpt-00000006'
+    save_at: tuple = ()
+    accum: int = 4  # gradient_accumulation_steps: micro-batches a step, over all ranks
+    cfg: dict = field(default_factory=dict)  # more train.py config
+    bug: bool = False  # every rank takes rank 0's micro-batches: a data-parallel bug the oracle must catch
+    measure_save: bool = False  # measured_save instead of checkpoint.save
+    slow_write: bool = False  # rank 1 writes its file a second late
+    litter: bool = False  # out_dir starts with what crashes leave: a .tmp with a manifest, a half-pruned directory
+
+
+def run(rank, groups, job_dir, r):
+    """train.py's loop for Run r. Returns the global loss and grad norm of each iteration, numbered as train.py
+    logs them (and measured_save's figures)."""
+    if rank >= r.world:
         return None
-    cfg = {**CFG, 'zero_stage': stage, 'gradient_accumulation_steps': accum, 'out_dir': os.path.join(root, name),
-           **overrides}
-    if litter and rank == 0:  # what crashes leave: a .tmp with a full manifest, a pruned directory without one
-        for junk in ('ckpt-99999999.tmp', 'ckpt-00000000'):
+    cfg = {**CFG, 'zero_stage': r.stage, 'gradient_accumulation_steps': r.accum,
+           'out_dir': os.path.join(job_dir, r.name), **r.cfg}
+    if r.litter and rank == 0:
+        for junk, file in (('ckpt-99999999.tmp', 'manifest.json'), ('ckpt-00000000', 'rank00000.pt')):
             os.makedirs(os.path.join(cfg['out_dir'], junk))
-            open(os.path.join(cfg['out_dir'], junk, 'manifest.json' if junk.endswith('.tmp') else 'rank00000.pt'), 'w').close()
-    engine = build(cfg, groups[world])
-    if resume:
-        path = os.path.join(root, resume)
-        assert checkpoint.load(engine, path, checkpoint.read_manifest(path), log=QUIET)[0] == start
+            open(os.path.join(cfg['out_dir'], junk, file), 'w').close()
+    engine = build(cfg, groups[r.world])
+    if r.resume:
+        path = os.path.join(job_dir, r.resume)
+        assert checkpoint.load(engine, path, checkpoint.read_manifest(path), log=QUIET)[0] == r.start
     data = train.load_split(train.data_dir(cfg), 'train')
     out = dict(losses={}, norms={})
-    for it in range(start, stop + 1):
-        if it in save_at and measure_save:
+    for it in range(r.start, r.stop + 1):
+        if it in r.save_at and r.measure_save:
             out.update(measured_save(engine, cfg, it))
-        elif it in save_at:
-            late = functools.partial(lambda write, *a: (time.sleep(1.0), write(*a)), checkpoint.write)
-            with mock.patch.object(checkpoint, 'write', late) if slow_write and rank == 1 else nullcontext():
+        elif it in r.save_at:
+            late = mock.patch.object(checkpoint, 'write', functools.partial(write_late, checkpoint.write))
+            with late if r.slow_write and rank == 1 else nullcontext():
                 checkpoint.save(engine, cfg, train.model_args(cfg, train.vocab_size(cfg)), it, 0.0, log=QUIET)
-        if it == stop:
+        if it == r.stop:
             break
-        batches = train.train_batches(data, it, cfg, 0 if bug else rank, world, CPU)
+        batches = train.train_batches(data, it, cfg, 0 if r.bug else rank, r.world, CPU)
         loss, norm = train.train_step(engine, batches, train.get_lr(it, cfg), nullcontext())
         loss = loss.reshape(1)
-        dist.all_reduce(loss, group=groups[world])  # every rank has as many micro-batches: the mean of the means
-        out['losses'][it + 1], out['norms'][it + 1] = loss.item() / world, norm
+        dist.all_reduce(loss, group=groups[r.world])  # every rank has as many micro-batches: the mean of the means
+        out['losses'][it + 1], out['norms'][it + 1] = loss.item() / r.world, norm
     return out
+
+
+def write_late(write, *args):
+    time.sleep(1.0)
+    write(*args)
 
 
 def measured_save(engine, cfg, it):
@@ -116,69 +138,72 @@ def _rank_main(rank, init_file, root, jobs):
     results = {}
     for job, runs in jobs.items():
         results[job] = []
-        for r in runs:
+        for r in runs:  # a rank that is not in a run goes on to the next: the next collective waits for the others
             try:
-                results[job].append(run(rank, groups, os.path.join(root, job), **r))
-            except Exception as e:  # reported by the test that asks; the ranks stay in step
+                results[job].append(run(rank, groups, os.path.join(root, job), r))
+            except Exception as e:  # reported by the test that asks
                 results[job].append(e)
-            dist.barrier()
+        dist.barrier()  # jobs start together, so a rank waits for one job at most
     torch.save(results, os.path.join(root, f'results{rank}.pt'))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def resume_runs(world, stage, resume_world=None, resume_stage=None, accum=4, **kw):
+def resume_runs(world, stage, resume_world=None, resume_stage=None, accum=4, cfg=None):
     """straight: 0 -> 10, saving at 6..10; resumed: from its iteration-6 checkpoint to 10 (saving at 10)."""
-    return [dict(name='straight', world=world, stage=stage, stop=10, accum=accum, save_at=(6, 7, 8, 9, 10), **kw),
-            dict(name='resumed', world=resume_world or world, stage=stage if resume_stage is None else resume_stage,
-                 start=6, stop=10, accum=accum, resume='straight/ckpt-00000006', save_at=(10,), **kw)]
+    return [Run('straight', world, stage, stop=10, accum=accum, save_at=(6, 7, 8, 9, 10), cfg=cfg or {}),
+            Run('resumed', resume_world or world, stage if resume_stage is None else resume_stage, stop=10, start=6,
+                accum=accum, resume='straight/ckpt-00000006', save_at=(10,), cfg=cfg or {})]
 
 
-def resave_runs(world, stage, new_world, new_stage, **kw):
+def resave_runs(world, stage, new_world, new_stage, old=None, new=None):
     """Train 2 iterations and save; load that at another world size / stage / bucket size and save it again."""
-    return [dict(name='saved', world=world, stage=stage, stop=2, save_at=(2,), **kw.get('old', {})),
-            dict(name='resaved', world=new_world, stage=new_stage, start=2, stop=2, resume='saved/ckpt-00000002',
-                 save_at=(2,), **kw.get('new', {}))]
+    return [Run('saved', world, stage, stop=2, save_at=(2,), cfg=old or {}),
+            Run('resaved', new_world, new_stage, stop=2, start=2, resume='saved/ckpt-00000002', save_at=(2,),
+                cfg=new or {})]
 
 
 JOBS = {
-    **{f'same layout, stage {s}': [dict(name='no save', world=2, stage=s, stop=10, save_at=(10,)), *resume_runs(2, s)]
-       for s in (0, 1, 2, 3)},
+    **{f'same layout, stage {s}': [Run('no save', 2, s, stop=10, save_at=(10,)), *resume_runs(2, s)] for s in range(4)},
     '2 ranks stage 2 -> 3 ranks stage 3': resume_runs(2, 2, 3, 3, accum=6),
     '4 ranks stage 3 -> 1 rank stage 1': resume_runs(4, 3, 1, 1),
-    'oracle': [dict(name=f'{n} ranks', world=n, stage=2, stop=10, save_at=(10,)) for n in (1, 2, 4)]
-    + [dict(name='bug', world=2, stage=2, stop=10, save_at=(10,), bug=True)],
+    'oracle': [Run(f'{n} ranks', n, 2, stop=10, save_at=(10,)) for n in (1, 2, 4)]
+    + [Run('bug', 2, 2, stop=10, save_at=(10,), bug=True)],
     'stage 3 on 2 -> stage 1 on 3': resave_runs(2, 3, 3, 1),
     'stage 3 on 4 -> stage 0 on 1': resave_runs(4, 3, 1, 0),
     'stage 0 on 2 -> stage 3 on 4': resave_runs(2, 0, 4, 3),
     'stage 2 on 3, one param a bucket -> stage 1 on 2': resave_runs(3, 2, 2, 1, old=dict(bucket_mb=0.001)),
     'stage 1 on 4 -> stage 2 on 4, one param a bucket': resave_runs(4, 1, 4, 2, new=dict(bucket_mb=0.001)),
-    'memory': [dict(name='big', world=4, stage=3, stop=1, save_at=(1,), measure_save=True, n_layer=8, n_embd=256,
-                    n_head=4)],
-    'slow writer': [dict(name='slow', world=2, stage=1, stop=1, save_at=(1,), slow_write=True)],
-    'litter': [dict(name='out', world=2, stage=2, stop=2, save_at=(1, 2), keep_last=1, litter=True)],
+    'memory': [Run('big', 4, 3, stop=1, save_at=(1,), measure_save=True, cfg=dict(n_layer=8, n_embd=256, n_head=4))],
+    'slow writer': [Run('slow', 2, 1, stop=1, save_at=(1,), slow_write=True)],
+    'litter': [Run('out', 2, 2, stop=2, save_at=(1, 2), cfg=dict(keep_last=1), litter=True)],
 }
 if hasattr(kernels, 'split_master'):  # the precision modes (branch kernels-modes)
     PRECISION = dict(dtype='bfloat16', master_weights='remainder', state_dtype='int8')
-    JOBS.update({'precision, same layout': resume_runs(2, 3, **PRECISION),
+    JOBS.update({'precision, same layout': resume_runs(2, 3, cfg=PRECISION),
                  'precision, stage 3 on 2 -> stage 3 on 3': resave_runs(2, 3, 3, 3, old=PRECISION, new=PRECISION),
                  'precision, stage 2 on 2 -> stage 1 on 4': resave_runs(2, 2, 4, 1, old=PRECISION, new=PRECISION)})
 
 
 @functools.lru_cache(maxsize=None)
-def spawned():
-    """Every in-process job, in one spawn of WORLD ranks: (results of rank 0, of every rank, the root directory)."""
-    root = tempfile.mkdtemp(prefix='nanozero-ckpt-')
-    env = {'MALLOC_MMAP_THRESHOLD_': '65536', 'OMP_NUM_THREADS': '1'}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the spawned ranks inherit it
+def spawn_jobs():
+    """Every in-process job, in one spawn of WORLD ranks: (results of rank 0, of every rank, the root directory),
+    or the exception that ended the spawn (returned, so the next test does not spawn again)."""
+    root = scratch_dir('ckpt')
     try:
-        mp.spawn(_rank_main, args=(os.path.join(root, 'init'), root, JOBS), nprocs=WORLD)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        with mock.patch.dict(os.environ, {'MALLOC_MMAP_THRESHOLD_': '65536', 'OMP_NUM_THREADS': '1'}):  # inherited
+            mp.spawn(_rank_main, args=(os.path.join(root, 'init'), root, JOBS), nprocs=WORLD)
+    except Exception as e:
+        return e
     every = [torch.load(os.path.join(root, f'results{r}.pt'), weights_only=False) for r in range(WORLD)]
     return every[0], every, root
+
+
+def spawned():
+    out = spawn_jobs()
+    if isinstance(out, Exception):
+        raise AssertionError("the spawn of in-process ranks failed") from out
+    return out
 
 
 def job(name):
@@ -186,8 +211,15 @@ def job(name):
     results, _, root = spawned()
     for r, result in zip(JOBS[name], results[name]):
         if isinstance(result, Exception):
-            raise AssertionError(f"run {r['name']} of job {name!r} failed on rank 0") from result
-    return {r['name']: result for r, result in zip(JOBS[name], results[name])}, os.path.join(root, name)
+            raise AssertionError(f"run {r.name} of job {name!r} failed on rank 0") from result
+    return {r.name: result for r, result in zip(JOBS[name], results[name])}, os.path.join(root, name)
+
+
+def scratch_dir(what):
+    """A temporary directory that lives as long as the test session (shared by the tests that read it)."""
+    path = tempfile.mkdtemp(prefix=f'nanozero-{what}-')
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def ckpt(directory, it):
@@ -365,14 +397,14 @@ RUN = ['--zero_stage=2', '--gradient_accumulation_steps=6', '--max_iters=10', '-
 
 @functools.lru_cache(maxsize=None)
 def straight_run():
-    out_dir = tempfile.mkdtemp(prefix='nanozero-straight-')
+    out_dir = scratch_dir('straight')
     return out_dir, torchrun(2, f'--out_dir={out_dir}', *RUN)
 
 
 @functools.lru_cache(maxsize=None)
 def resumed_on_3_ranks_at_stage_3():
     """straight_run's iteration-6 checkpoint, resumed with 3 ranks at stage 3 to iteration 10."""
-    out_dir = tempfile.mkdtemp(prefix='nanozero-resumed-')
+    out_dir = scratch_dir('resumed')
     shutil.copytree(ckpt(straight_run()[0], 6), ckpt(out_dir, 6))
     return out_dir, torchrun(3, f'--out_dir={out_dir}', *RUN, '--zero_stage=3', '--init_from=resume')
 
@@ -403,7 +435,7 @@ def test_train_py_resumes_with_3_ranks_at_stage_3_within_5e_4_of_the_straight_ru
 def test_killed_rank_restarts_from_the_last_complete_checkpoint_and_ends_bit_identically():
     """One job dies twice: rank 1 after iteration 5's step (the newest checkpoint is 4), then, on the restart,
     rank 0 after writing ckpt-8's manifest but before the rename (a .tmp directory with a full manifest)."""
-    out_dir = tempfile.mkdtemp(prefix='nanozero-faults-')
+    out_dir = scratch_dir('faults')
     # torch >= 2.5: restarted gloo workers read the dead ones' addresses from torchrun's shared store and fail
     # ("Gloo connectFullMesh failed ... Connection refused", 3 runs out of 3 here) unless the store is per attempt
     # (pytorch/pytorch#135712)
