@@ -326,7 +326,7 @@ def rebuild(engine, b, shards):
         store = getattr(engine, pop)[b.shard_slice]
         if absmax is None:
             store.copy_(values[pop])
-        else:  # 8-bit: requantized in this layout's blocks (exact only where the blocks are the same)
+        else:  # 8-bit: requantized in this layout's blocks, one more rounding like the one every step makes
             codes, scales = kernels.quantize(values[pop].to(engine.device), signed=pop == 'exp_avg')
             store.copy_(codes)
             absmax[k].copy_(scales)

@@ -281,17 +281,23 @@ def test_resume_at_another_world_size_and_stage_stays_within_the_oracle_toleranc
 @pytest.mark.parametrize('name', [n for n in JOBS if ' -> ' in n and n.startswith(('stage', 'precision, stage'))])
 def test_rebuilt_shards_hold_exactly_the_saved_values(name):
     """Load at another world size, stage or bucket size and save again: every stored number of every param
-    (master, exp_avg, exp_avg_sq, decoded to fp32) comes back exactly, padding and all offsets included."""
+    (master, exp_avg, exp_avg_sq, decoded to fp32) comes back exactly, padding and all offsets included; 8-bit
+    moments within one rounding (the dynamic map has +1 but no -1: a block whose largest element is negative
+    gets a new absmax)."""
     _, d = job(name)
     old, new = (checkpoint.resolve(os.path.join(d, r)) for r in ('saved', 'resaved'))
     a, b = (checkpoint.Shards(p, checkpoint.read_manifest(p)) for p in (old, new))
     assert a.manifest['layout'] != b.manifest['layout']
     with torch.device('meta'):
         model = GPT(GPTConfig(**a.manifest['model_args']))
+    eight_bit = a.manifest['populations']['exp_avg'] == 'uint8'
     for pname, p in model.named_parameters():
         for population in checkpoint.POPULATIONS:
             x, y = a.read(pname, population, 0, p.numel()), b.read(pname, population, 0, p.numel())
-            assert torch.equal(x, y), (pname, population)
+            if eight_bit and population != 'master':  # requantized in the new blocks: one more 8-bit rounding
+                assert (x - y).abs().max() <= 0.02 * x.abs().max(), (pname, population)
+            else:
+                assert torch.equal(x, y), (pname, population)
     for m in (a.manifest, b.manifest):
         assert m['step_count'] == 2 and m['iter_num'] == 2
 
