@@ -44,7 +44,7 @@ CFG = train.parse_config(['config/shakespeare_char.py', *SMALL, '--keep_last=100
 CPU = torch.device('cpu')
 WORLD = 4  # ranks in the spawn; a run uses the first `world` of them
 QUIET = lambda *a, **k: None  # noqa: E731
-ORACLE = dict(rtol=1e-6, atol=1e-7)  # two correct fp32 runs here: test_one_two_and_four_ranks_..._the_same_model
+ORACLE = dict(rtol=1e-6, atol=1e-7, param_atol=1e-7)  # from two correct runs: test_one_two_and_four_ranks_...
 
 # -----------------------------------------------------------------------------
 # in-process ranks: train.py's loop on a process group of the first `world` ranks
@@ -385,14 +385,14 @@ def test_partial_checkpoints_are_ignored_and_removed_by_the_next_save(tmp_path):
 def torchrun(nproc, *args, restarts=0, env=()):
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
            f'--max-restarts={restarts}', 'train.py', 'config/shakespeare_char.py', *SMALL, '--log_interval=1', *args]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                           env={**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', **dict(env)})
+    launch = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env={**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', **dict(env)})
     try:
-        stdout, stderr = job.communicate(timeout=300)
+        stdout, stderr = launch.communicate(timeout=300)
     finally:
-        if job.poll() is None:  # timed out: the workers go too, not only torchrun
-            os.killpg(job.pid, signal.SIGKILL)
-    assert job.returncode == 0, stdout[-2000:] + stderr[-3000:]
+        if launch.poll() is None:  # timed out: the workers go too, not only torchrun
+            os.killpg(launch.pid, signal.SIGKILL)
+    assert launch.returncode == 0, stdout[-2000:] + stderr[-3000:]
     return stdout
 
 
@@ -428,28 +428,30 @@ def global_loss(path, iteration):
 
 
 def test_train_py_resumes_with_3_ranks_at_stage_3_within_5e_4_of_the_straight_run():
+    """Iterations 7..10 after resuming the 2-rank stage-2 run's iteration-6 checkpoint on 3 ranks at stage 3.
+    Measured here: the global losses differ by ~3e-7, the params by ~1e-8."""
     (straight, _), (resumed, log) = straight_run(), resumed_on_3_ranks_at_stage_3()
     assert f"resuming from {ckpt(resumed, 6)} (iteration 6, stage 2 on 2 rank(s); rebuilding the shards for stage 3 on 3" in log
     assert 'iter 6:' not in log and 'iter 7: loss' in log and 'iter 10: loss' in log
-    for it in range(6, 10):  # iterations 7..10
-        assert abs(global_loss(ckpt(resumed, it), it) - global_loss(ckpt(straight, it), it)) < 5e-4
-    a, b = params(ckpt(resumed, 10)), params(ckpt(straight, 10))
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], **ORACLE, msg=name)
+    runs = [dict(losses=[global_loss(ckpt(d, it), it) for it in range(6, 10)], norms=[], params=params(ckpt(d, 10)))
+            for d in (resumed, straight)]
+    assert max(abs(x - y) for x, y in zip(runs[0]['losses'], runs[1]['losses'])) < 5e-4
+    assert_same_run(*runs, **ORACLE)
 
 
 def test_killed_rank_restarts_from_the_last_complete_checkpoint_and_ends_bit_identically():
-    """One job dies twice: rank 1 after iteration 5's step (the newest checkpoint is 4), then, on the restart,
-    rank 0 after writing ckpt-8's manifest but before the rename (a .tmp directory with a full manifest)."""
+    """One job dies three times: rank 1 after iteration 5's step (the newest checkpoint is 4); on the first
+    restart, rank 1 after writing its file of ckpt-7 (a .tmp directory without a manifest); on the second, rank 0
+    after writing ckpt-8's manifest but before the rename (a .tmp directory with a complete manifest)."""
     out_dir = scratch_dir('faults')
     # torch >= 2.5: restarted gloo workers read the dead ones' addresses from torchrun's shared store and fail
     # ("Gloo connectFullMesh failed ... Connection refused", 3 runs out of 3 here) unless the store is per attempt
     # (pytorch/pytorch#135712)
-    env = {'NANOZERO_FAULT': 'step:5:1,manifest:8:0', 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}
-    log = torchrun(2, f'--out_dir={out_dir}', *RUN, restarts=2, env=env)
-    assert f"resuming from {ckpt(out_dir, 4)} (iteration 4" in log
-    assert f"resuming from {ckpt(out_dir, 7)} (iteration 7" in log  # not from the half-written ckpt-8
-    assert log.count('resuming from') == 2 and log.count(f'saving checkpoint {ckpt(out_dir, 8)}') == 2
+    env = {'NANOZERO_FAULT': 'step:5:1,save:7:1,manifest:8:0', 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}
+    log = torchrun(2, f'--out_dir={out_dir}', *RUN, restarts=3, env=env)
+    resumed = [line.split()[2] for line in log.splitlines() if line.startswith('resuming from')]
+    assert resumed == [ckpt(out_dir, 4), ckpt(out_dir, 6), ckpt(out_dir, 7)]  # never the half-written 7 or 8
+    assert log.count(f'saving checkpoint {ckpt(out_dir, 7)} ') == 2 and log.count(f'saving checkpoint {ckpt(out_dir, 8)} ') == 2
     assert sorted(os.listdir(out_dir)) == [f'ckpt-{i:08d}' for i in range(6, 11)]  # no .tmp left, 5 kept
     straight, straight_log = straight_run()
     last_eval = [next(line for line in text.splitlines() if line.startswith('step 10:')) for text in (log, straight_log)]
@@ -500,12 +502,11 @@ def test_sample_py_prints_text_from_a_consolidated_file_and_from_a_checkpoint_di
 
 
 def test_sample_decodes_characters_and_gpt2_tokens():
-    for dataset, text in (('shakespeare_char', 'ROMEO: O, she doth teach'), ('shakespeare', 'Hello world')):
-        encode, decode = sample.tokenizer({'config': {'dataset': dataset}})
-        assert decode(encode(text)) == text
     encode, decode = sample.tokenizer({'config': {'dataset': 'shakespeare_char'}})
+    assert len(encode('ROMEO: O, she')) == 13 and decode(encode('ROMEO: O, she')) == 'ROMEO: O, she'
     assert decode(encode('ab') + [120]) == 'ab'  # 84 characters padded to a vocab of 128: padding decodes to nothing
-    assert len(encode('Hello world')) == 11 and sample.tokenizer({'config': {'dataset': 'shakespeare'}})[0]('Hello world') == [15496, 995]
+    encode, decode = sample.tokenizer({'config': {'dataset': 'shakespeare'}})
+    assert encode('Hello world') == [15496, 995] and decode([15496, 995, 50300]) == 'Hello world'  # 50257 -> 50304
 
 # -----------------------------------------------------------------------------
 # clear errors: the file and what is wrong, before any training step
