@@ -178,11 +178,14 @@ JOBS = {
     'slow writer': [Run('slow', 2, 1, stop=1, save_at=(1,), slow_write=True)],
     'litter': [Run('out', 2, 2, stop=2, save_at=(1, 2), cfg=dict(keep_last=1), litter=True)],
 }
-if hasattr(kernels, 'split_master'):  # the precision modes (branch kernels-modes)
-    PRECISION = dict(dtype='bfloat16', master_weights='remainder', state_dtype='int8')
-    JOBS.update({'precision, same layout': resume_runs(2, 3, cfg=PRECISION),
-                 'precision, stage 3 on 2 -> stage 3 on 3': resave_runs(2, 3, 3, 3, old=PRECISION, new=PRECISION),
-                 'precision, stage 2 on 2 -> stage 1 on 4': resave_runs(2, 2, 4, 1, old=PRECISION, new=PRECISION)})
+MERGED = hasattr(kernels, 'split_master')  # the precision modes (branch kernels-modes)
+REMAINDER = dict(dtype='bfloat16', master_weights='remainder', state_dtype='int8')  # bf16 param + int16, 8-bit moments
+NONE = dict(dtype='bfloat16', master_weights='none', state_dtype='bfloat16', stochastic_rounding=True)
+if MERGED:
+    JOBS.update({'precision remainder+int8, same layout': resume_runs(2, 3, cfg=REMAINDER),
+                 'precision none+bf16+stochastic rounding, same layout': resume_runs(2, 2, cfg=NONE),
+                 'precision, stage 3 on 2 -> stage 3 on 3': resave_runs(2, 3, 3, 3, old=REMAINDER, new=REMAINDER),
+                 'precision, stage 2 on 2 -> stage 1 on 4': resave_runs(2, 2, 4, 1, old=REMAINDER, new=REMAINDER)})
 
 
 @functools.lru_cache(maxsize=None)
@@ -316,10 +319,12 @@ def test_one_two_and_four_ranks_with_the_same_global_batch_train_the_same_model(
         assert_same_run(as_run(runs['bug'], ckpt(d + '/bug', 10), every), one, **ORACLE)
 
 
-@pytest.mark.skipif(not hasattr(kernels, 'split_master'), reason="precision modes are not merged yet")
-def test_precision_modes_resume_bit_identically():
-    """bf16 params + int16 remainder master + 8-bit moments: the stored form is saved and copied back as it is."""
-    runs, d = job('precision, same layout')
+@pytest.mark.skipif(not MERGED, reason="precision modes are not merged yet")
+@pytest.mark.parametrize('mode', ['remainder+int8', 'none+bf16+stochastic rounding'])
+def test_precision_modes_resume_bit_identically(mode):
+    """bf16 params with an int16 remainder and 8-bit moments, or bf16 params alone (stochastically rounded: the
+    step count seeds the rounding) and bf16 moments: the stored form is saved and copied back as it is."""
+    runs, d = job(f'precision {mode}, same layout')
     straight, resumed = runs['straight'], runs['resumed']
     assert [resumed['losses'][i] for i in range(7, 11)] == [straight['losses'][i] for i in range(7, 11)]
     assert_same_files(ckpt(d + '/resumed', 10), ckpt(d + '/straight', 10))
