@@ -434,7 +434,7 @@ def global_loss(path, iteration):
 
 def test_train_py_resumes_with_3_ranks_at_stage_3_within_5e_4_of_the_straight_run():
     """Iterations 7..10 after resuming the 2-rank stage-2 run's iteration-6 checkpoint on 3 ranks at stage 3.
-    Measured here: the global losses differ by ~3e-7, the params by ~1e-8."""
+    Measured here: the global losses differ by <= 8e-8, the params by <= 7.5e-9."""
     (straight, _), (resumed, log) = straight_run(), resumed_on_3_ranks_at_stage_3()
     assert f"resuming from {ckpt(resumed, 6)} (iteration 6, stage 2 on 2 rank(s); rebuilding the shards for stage 3 on 3" in log
     assert 'iter 6:' not in log and 'iter 7: loss' in log and 'iter 10: loss' in log
