@@ -2,27 +2,32 @@
 Checkpoints that survive anything: sharded, atomic, resumable at another world size and stage, and
 consolidated into one nanoGPT-layout file on demand.
 
-    out_dir/ckpt-00000250/rank00000.pt ...   each rank's own shards, in the form its precision stores them
+    out_dir/ckpt-00000250/rank00000.pt ...   each rank's own shards
     out_dir/ckpt-00000250/manifest.json      written last, by rank 0: the flat layout, config, iteration, ...
 
     python checkpoint.py consolidate out-shakespeare-char -o model.pt [--dtype bfloat16]   # needs no GPU, no ranks
     python sample.py --ckpt=model.pt            (sample.py also reads a checkpoint directory directly)
 
-A save writes what the rank owns and nothing else: its slices of the masters, exp_avg and exp_avg_sq (and
-of the bf16 params where they are part of the master: remainder, none), one bucket at a time to host
-memory. Stage 0 (DDP) has one copy of everything, written by rank 0 as a 1-rank layout.
+A save writes what the rank owns and nothing else, one bucket at a time to host memory: its slices of the
+masters (in the form its precision keeps them), exp_avg and exp_avg_sq. Stage 0 (DDP) has one copy of
+everything, written by rank 0 as a 1-rank layout.
 
 [Note: atomic checkpoints] Every rank writes into ckpt-N.tmp/; after a barrier rank 0 writes the manifest
 (with every file's size) and renames the directory to ckpt-N. A rename is atomic, so a crash at any
 moment leaves either no ckpt-N or a complete one; resume takes the newest directory with a manifest and
 checks every file against it. Leftover .tmp directories are removed by the next save, and only the newest
-keep_last complete checkpoints stay. (Several nodes need out_dir on a shared filesystem.)
+keep_last complete checkpoints stay (the manifest is deleted first, so a crash while pruning cannot leave a
+directory that looks complete). A restarted worker (torchrun --max-restarts=N; with torch >= 2.5 also set
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see test_checkpoint.py) resumes from the newest one. A run from scratch
+refuses an out_dir that holds checkpoints: they belong to another run, and a restart or a keep_last cleanup
+would mix the two. (Several nodes need out_dir on a shared filesystem.)
 
 [Note: resume anywhere] The manifest says where every param's elements live: bucket, offset, shard size,
 world size. A run with the same layout copies its own file back, bit for bit. Any other world size, stage
 or bucket size rebuilds its shards from the old ones: for each param piece it owns, it reads that range
 from whichever old ranks held it (memory-mapped, so only what is read is loaded), decoded to fp32, and
 stores it in its own precision. No conversion step for the user.
+Ranks and barriers are the engine's process group's (engine.comm), not necessarily the whole job's.
 """
 import argparse
 import glob
@@ -39,6 +44,8 @@ import kernels
 
 FORMAT = 1
 POPULATIONS = ('master', 'exp_avg', 'exp_avg_sq')
+SHAPE_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size')  # dropout may change on resume
+ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # -----------------------------------------------------------------------------
 # what a rank stores: its pieces of each bucket, and the layout that says whose they are
@@ -47,11 +54,9 @@ POPULATIONS = ('master', 'exp_avg', 'exp_avg_sq')
 def layout(engine):
     """Per bucket: the params (name, shape, offset in the padded flat), sizes and where the shard lives."""
     if engine.stage == 0:  # one copy: a 1-rank layout, no padding
-        offsets = [sum(p.numel() for p in engine.params[:i]) for i in range(len(engine.params))]
-        names = {p: n for n, p in engine.model.named_parameters()}
-        numel = sum(p.numel() for p in engine.params)
-        return [dict(params=[[names[p], list(p.shape), o] for p, o in zip(engine.params, offsets)], numel=numel,
-                     padded_numel=numel, shard_numel=numel, shard_offset=0, flat_offset=0)]
+        names, sizes = {p: n for n, p in engine.model.named_parameters()}, [p.numel() for p in engine.params]
+        return [dict(params=[[names[p], list(p.shape), sum(sizes[:i])] for i, p in enumerate(engine.params)],
+                     numel=sum(sizes), padded_numel=sum(sizes), shard_numel=sum(sizes), shard_offset=0, flat_offset=0)]
     return [dict(params=[[engine.names[p], list(p.shape), o] for p, o in zip(b.params, b.offsets)], numel=b.numel,
                  padded_numel=b.padded_numel, shard_numel=b.shard_numel, shard_offset=b.shard_offset,
                  flat_offset=b.flat_offset) for b in engine.buckets]
@@ -60,38 +65,33 @@ def layout(engine):
 def pieces(engine, b):
     """This rank's stored tensors for bucket b: whatever its precision keeps (see zero.py [Note: who holds the master])."""
     master, param = engine.step_tensors(b)
-    out = {'exp_avg': engine.exp_avg[b.shard_slice], 'exp_avg_sq': engine.exp_avg_sq[b.shard_slice]}
-    if master is not None:
-        out['master'] = master
-    if param is not None and (master is None or master.dtype == torch.int16):
-        out['param'] = param  # part of the master; next to an fp32 master the params are only its rounding
-    absmax = engine.absmax_of(b)
-    if absmax is not None:
-        out['exp_avg_absmax'], out['exp_avg_sq_absmax'] = absmax
-    return out
+    absmax = engine.absmax_of(b) or (None, None)
+    keeps_param = master is None or master.dtype == torch.int16  # part of the master (else only its rounding)
+    out = dict(master=master, param=param if keeps_param else None, exp_avg=engine.exp_avg[b.shard_slice],
+               exp_avg_sq=engine.exp_avg_sq[b.shard_slice], exp_avg_absmax=absmax[0], exp_avg_sq_absmax=absmax[1])
+    return {name: t for name, t in out.items() if t is not None}
 
 
 def rank_state(engine):
-    """{name: host tensor}: this rank's pieces of every bucket, concatenated, copied one bucket at a time."""
-    if engine.stage == 0:
-        state = engine.optimizer.state
-        return {'master': torch.cat([p.detach().float().flatten().cpu() for p in engine.params]),
-                **{k: torch.cat([state[p][k].flatten().cpu() for p in engine.params]) for k in ('exp_avg', 'exp_avg_sq')}}
-    per_bucket = [pieces(engine, b) for b in engine.buckets]
+    """{name: host tensor}: this rank's pieces of every bucket (stage 0: of every param), one after another,
+    each copied straight into its place in one host tensor per name (no second host copy)."""
+    if engine.stage == 0:  # torch's AdamW keeps no moments for a param before its first step
+        state = {p: engine.optimizer.state.get(p, {}) for p in engine.params}
+        parts = [{'master': p.detach(), **{k: state[p].get(k, torch.zeros_like(p)) for k in POPULATIONS[1:]}}
+                 for p in engine.params]
+    else:
+        parts = [pieces(engine, b) for b in engine.buckets]
     out = {}
-    for name in per_bucket[0]:
-        out[name] = torch.empty(sum(p[name].numel() for p in per_bucket), dtype=per_bucket[0][name].dtype)
-        start = 0
-        for p in per_bucket:
-            out[name][start:start + p[name].numel()].copy_(p[name])
-            start += p[name].numel()
+    for name in parts[0]:
+        out[name] = torch.empty(sum(part[name].numel() for part in parts), dtype=parts[0][name].dtype)
+        for part, place in zip(parts, out[name].split([part[name].numel() for part in parts])):
+            place.copy_(part[name].flatten())
     return out
 
 
 def step_count(engine):
-    if engine.stage == 0:
-        state = engine.optimizer.state.get(engine.params[0], {})
-        return int(state['step']) if 'step' in state else 0
+    if engine.stage == 0:  # torch's AdamW counts per param
+        return int(engine.optimizer.state.get(engine.params[0], {}).get('step', 0))
     return engine.step_count
 
 # -----------------------------------------------------------------------------
@@ -99,41 +99,47 @@ def step_count(engine):
 
 
 def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
-    """Every rank calls it. Returns the path of the complete checkpoint."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    """Every rank of the engine's process group calls it. Returns the path of the complete checkpoint."""
+    rank, world_size, process_group = engine.comm.rank, engine.comm.world_size, engine.comm.process_group
     out_dir = cfg['out_dir']
     final = os.path.join(out_dir, f'ckpt-{iter_num:08d}')
     tmp = final + '.tmp'
     if os.path.exists(os.path.join(final, 'manifest.json')):  # e.g. the eval right after resuming from it
         return final
+    files = [f'rank{r:05d}.pt' for r in range(world_size if engine.stage else 1)]  # stage 0: one copy, rank 0's
     if rank == 0:
-        log(f"saving checkpoint {final} ({world_size if engine.stage else 1} shard file(s))")
+        log(f"saving checkpoint {final} ({len(files)} shard file(s))")
         for stale in glob.glob(os.path.join(out_dir, 'ckpt-*.tmp')):  # left by a crash during an earlier save
             shutil.rmtree(stale, ignore_errors=True)
         os.makedirs(tmp)
-    dist.barrier()
-    if engine.stage > 0 or rank == 0:
+    dist.barrier(group=process_group)
+    if rank < len(files):
         state = rank_state(engine)
         if rank == 0:  # frozen params are not sharded: one copy
             state['frozen'] = {n: p.detach().cpu() for n, p in engine.model.named_parameters() if not p.requires_grad}
-        write(state, os.path.join(tmp, f'rank{rank:05d}.pt'))
+        write(state, os.path.join(tmp, files[rank]))
+        populations = {k: str(v.dtype)[6:] for k, v in state.items() if k != 'frozen'}
+        del state  # the host copy goes before the barrier, not after the slowest rank
     fault_point('save', iter_num)
-    dist.barrier()
+    dist.barrier(group=process_group)  # every rank's file is complete: [Note: atomic checkpoints]
     if rank == 0:
-        files = sorted(os.listdir(tmp))
         manifest = dict(format=FORMAT, iter_num=iter_num, best_val_loss=best_val_loss, config=cfg,
-                        model_args=model_args, stage=engine.stage, world_size=world_size if engine.stage else 1,
-                        param_dtype=str(engine.cfg.param_dtype)[6:], step_count=step_count(engine),
-                        loss_scale=scaler_state(engine), precision=vars(engine.cfg.precision),
-                        layout=layout(engine), files={f: os.path.getsize(os.path.join(tmp, f)) for f in files})
+                        model_args=model_args, data_position=dict(seed=cfg.get('seed'), next_iteration=iter_num),
+                        stage=engine.stage, world_size=world_size, param_dtype=str(engine.cfg.param_dtype)[6:],
+                        precision=vars(engine.cfg.precision), populations=populations, step_count=step_count(engine),
+                        loss_scale=scaler_state(engine), layout=layout(engine),
+                        files={f: os.path.getsize(os.path.join(tmp, f)) for f in files})
         with open(os.path.join(tmp, 'manifest.json'), 'w') as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        os.rename(tmp, final)  # [Note: atomic checkpoints]
-        for old in sorted(glob.glob(os.path.join(out_dir, 'ckpt-*[0-9]')))[:-cfg['keep_last']]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        fault_point('manifest', iter_num)
+        os.rename(tmp, final)
+        fd = os.open(out_dir, os.O_RDONLY)  # the rename itself survives a power cut
+        os.fsync(fd)
+        os.close(fd)
+        prune(out_dir, cfg['keep_last'])
+    dist.barrier(group=process_group)
     return final
 
 
@@ -144,6 +150,16 @@ def write(obj, path):
         os.fsync(f.fileno())
 
 
+def prune(out_dir, keep_last):
+    """Delete all but the newest keep_last complete checkpoints, each manifest first: a crash while deleting
+    leaves a directory without a manifest (ignored, and deleted next time), never one that looks complete."""
+    complete = sorted(os.path.dirname(m) for m in glob.glob(os.path.join(out_dir, 'ckpt-*[0-9]', 'manifest.json')))
+    for old in set(glob.glob(os.path.join(out_dir, 'ckpt-*[0-9]'))) - set(complete[-keep_last:]):
+        if os.path.exists(os.path.join(old, 'manifest.json')):
+            os.remove(os.path.join(old, 'manifest.json'))
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def scaler_state(engine):
     if engine.stage == 0:
         return {'scale': engine.scaler.get_scale(), 'clean_steps': engine.scaler.state_dict().get('_growth_tracker', 0)}
@@ -151,10 +167,12 @@ def scaler_state(engine):
 
 
 def fault_point(where, iteration):
-    """A test hook (test_checkpoint.py): NANOZERO_FAULT=where:iteration:rank SIGKILLs that rank at that point,
-    on the first attempt only (torchrun sets TORCHELASTIC_RESTART_COUNT on restarts)."""
-    if (os.environ.get('NANOZERO_FAULT') == f"{where}:{iteration}:{os.environ.get('RANK')}"
-            and os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0'):
+    """A test hook: NANOZERO_FAULT=where:iteration:rank SIGKILLs that rank at 'step' (after an optimizer step),
+    'save' (after it wrote its file) or 'manifest' (rank 0, before the rename). A comma-separated list: the k-th
+    entry on torchrun's k-th restart (TORCHELASTIC_RESTART_COUNT), so one job can die in several places."""
+    faults = os.environ.get('NANOZERO_FAULT', '').split(',')
+    attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
+    if attempt < len(faults) and faults[attempt] == f"{where}:{iteration}:{os.environ.get('RANK')}":
         os.kill(os.getpid(), signal.SIGKILL)
 
 # -----------------------------------------------------------------------------
@@ -188,17 +206,24 @@ def read_manifest(path):
 
 def find_resume(cfg, model_args):
     """(path, manifest) to resume from, or None. init_from='resume' needs a checkpoint; a worker restarted by
-    torchrun (--max-restarts) resumes from the newest complete one when there is one."""
+    torchrun (--max-restarts) resumes from the newest complete one when there is one. Every problem is a
+    ValueError naming the file, raised before any training step."""
+    if cfg['keep_last'] < 1:
+        raise ValueError(f"keep_last={cfg['keep_last']}: keep at least 1 checkpoint")
     restarted = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)) > 0
-    if cfg['init_from'] != 'resume' and not restarted:
-        return None
     path = latest(cfg['out_dir'])
+    if cfg['init_from'] != 'resume' and not restarted:
+        if path is not None:
+            raise ValueError(f"{path} is a checkpoint of an earlier run and init_from='scratch': continue it with "
+                             f"init_from='resume', or start over in another out_dir (or delete its ckpt-* directories)")
+        return None
+    if path is None and restarted:  # died before its first checkpoint: start over
+        return None
     if path is None:
-        if restarted:
-            return None
         raise ValueError(f"init_from='resume': no complete checkpoint (ckpt-*/manifest.json) in {cfg['out_dir']}")
     manifest = read_manifest(path)
-    differ = {k: (v, model_args.get(k)) for k, v in manifest['model_args'].items() if model_args.get(k) != v}
+    differ = {k: (manifest['model_args'].get(k), model_args.get(k)) for k in SHAPE_ARGS
+              if manifest['model_args'].get(k) != model_args.get(k)}
     if differ:
         what = ', '.join(f"{k}={old} (the config says {new})" for k, (old, new) in differ.items())
         raise ValueError(f"{path}/manifest.json was saved by another model: {what}; resume with the same model "
@@ -240,8 +265,6 @@ class Shards:
 
     def read(self, name, population, a, c):
         """fp32 values of elements [a, c) of param `name` (flattened), from whichever ranks hold them."""
-        if name not in self.where:
-            raise ValueError(f"{self.path}: the checkpoint has no param {name}")
         bucket, offset = self.where[name]
         size, out = bucket['shard_numel'], []
         g, end = offset + a, offset + c  # positions in the bucket's padded flat
@@ -260,16 +283,16 @@ class Shards:
 def load(engine, path, manifest, log=print):
     """Restore the optimizer state, params and counters; returns (iter_num, best_val_loss)."""
     same = (manifest['stage'] == engine.stage and manifest['layout'] == layout(engine)
-            and manifest['world_size'] == (dist.get_world_size() if engine.stage else 1)
+            and manifest['world_size'] == engine.comm.world_size
             and manifest['precision'] == vars(engine.cfg.precision) and manifest['param_dtype'] == str(engine.cfg.param_dtype)[6:])
     log(f"resuming from {path} (iteration {manifest['iter_num']}, stage {manifest['stage']} on {manifest['world_size']} "
-        f"rank(s){'' if same else f'; rebuilding the shards for stage {engine.stage} on {dist.get_world_size()} rank(s)'})")
+        f"rank(s){'' if same else f'; rebuilding the shards for stage {engine.stage} on {engine.comm.world_size} rank(s)'})")
     shards = Shards(path, manifest)
     with torch.no_grad():
         if engine.stage == 0:
             load_stage0(engine, shards, manifest)
         else:
-            own = shards.file(dist.get_rank()) if same else None
+            own = shards.file(engine.comm.rank) if same else None
             start = {}
             for b in engine.buckets:
                 if same:  # copy back what was saved: bit for bit
@@ -303,7 +326,7 @@ def rebuild(engine, b, shards):
         store = getattr(engine, pop)[b.shard_slice]
         if absmax is None:
             store.copy_(values[pop])
-        else:  # 8-bit: requantized in this layout's blocks (exact only where the blocks are the same)
+        else:  # 8-bit: requantized in this layout's blocks, one more rounding like the one every step makes
             codes, scales = kernels.quantize(values[pop].to(engine.device), signed=pop == 'exp_avg')
             store.copy_(codes)
             absmax[k].copy_(scales)
@@ -327,9 +350,7 @@ def load_stage0(engine, shards, manifest):
 
 def resolve(path):
     """A checkpoint directory, or an out_dir (its newest complete checkpoint)."""
-    if os.path.exists(os.path.join(path, 'manifest.json')):
-        return path
-    found = latest(path)
+    found = path if os.path.exists(os.path.join(path, 'manifest.json')) else latest(path)
     if found is None:
         raise ValueError(f"{path}: neither a checkpoint (no manifest.json) nor an out_dir with one (ckpt-*/manifest.json)")
     return found
@@ -354,10 +375,22 @@ def full_state_dict(path, dtype=torch.float32):
     return {key: values[p] for key, p in model.state_dict(keep_vars=True).items()}, manifest
 
 
+def dataset_meta(dataset):
+    """data/<dataset>/meta.json: the tokenizer ('gpt2', or 'char' with its alphabet); {} where it is absent."""
+    path = os.path.join(ROOT, 'data', dataset, 'meta.json')
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def consolidate(path, out_file, dtype=torch.float32):
+    """One file with everything sample.py needs, the tokenizer included, so it samples on a machine without
+    the dataset. Written to a temporary name and renamed: never a half-written model.pt."""
     state, manifest = full_state_dict(path, dtype)
-    torch.save({'model': state, 'model_args': manifest['model_args'], 'iter_num': manifest['iter_num'],
-                'best_val_loss': manifest['best_val_loss'], 'config': manifest['config']}, out_file)
+    info = {k: manifest[k] for k in ('model_args', 'iter_num', 'best_val_loss', 'config', 'stage', 'world_size')}
+    torch.save({'model': state, 'meta': dataset_meta(manifest['config']['dataset']), **info}, out_file + '.tmp')
+    os.replace(out_file + '.tmp', out_file)
     return manifest
 
 

@@ -1,46 +1,86 @@
 """
-Sample from a trained model, nanoGPT-style: reads out_dir/ckpt.pt (the full fp32 model that train.py
-saves from any zero_stage) and prints num_samples continuations of start.
+Sample from a trained model, nanoGPT-style: print num_samples continuations of start. It reads a consolidated
+file (python checkpoint.py consolidate OUT_DIR -o model.pt) or a sharded checkpoint as train.py wrote it: a
+ckpt-N directory, or an out_dir (its newest complete checkpoint), from any zero_stage and world size. Tokens are
+characters or GPT-2 BPE, as the run's dataset was prepared (its meta.json; a consolidated file carries it).
 
-$ python sample.py --out_dir=out-shakespeare-cpu --start="ROMEO:" --num_samples=2 --max_new_tokens=200
+$ python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=2 --max_new_tokens=200
+$ python sample.py --ckpt=model.pt
 """
 import argparse
 import os
 
 import torch
 
-from data.shakespeare.prepare import gpt2_encoding
+import checkpoint
 from model import GPT, GPTConfig
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument('--out_dir', default='out-shakespeare-cpu')
-parser.add_argument('--start', default='\n', help="prompt text, or FILE:path to read it from a file")
-parser.add_argument('--num_samples', type=int, default=3)
-parser.add_argument('--max_new_tokens', type=int, default=300)
-parser.add_argument('--temperature', type=float, default=0.8, help='< 1 sharper, > 1 more random')
-parser.add_argument('--top_k', type=int, default=200, help='sample only from the k most likely tokens')
-parser.add_argument('--seed', type=int, default=1337)
-parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
-args = parser.parse_args()
 
-torch.manual_seed(args.seed)
-ckpt_path = os.path.join(args.out_dir, 'ckpt.pt')
-if not os.path.exists(ckpt_path):
-    raise SystemExit(f"no checkpoint at {ckpt_path}: train first (train.py saves one at each eval that improves)")
-checkpoint = torch.load(ckpt_path, map_location=args.device, weights_only=False)
-model = GPT(GPTConfig(**checkpoint['model_args']))
-model.load_state_dict(checkpoint['model'])
-model.eval().to(args.device)
-print(f"{ckpt_path}: iter {checkpoint['iter_num']}, val loss {checkpoint['best_val_loss']:.4f}, "
-      f"trained with zero_stage={checkpoint['zero_stage']} on {checkpoint['world_size']} ranks")
+def load_model(path):
+    """(GPT in eval mode, info: model_args, iter_num, best_val_loss, config, stage, world_size[, meta])."""
+    if os.path.isfile(path):
+        info = torch.load(path, map_location='cpu', weights_only=True)
+        state = info.pop('model')
+    else:
+        state, info = checkpoint.full_state_dict(path)
+    model = GPT(GPTConfig(**info['model_args']))
+    model.load_state_dict(state, strict=True)
+    return model.eval(), info
 
-enc = gpt2_encoding()
-start = args.start
-if start.startswith('FILE:'):
-    with open(start[5:], encoding='utf-8') as f:
-        start = f.read()
-x = torch.tensor(enc.encode(start, allowed_special={'<|endoftext|>'}), dtype=torch.long, device=args.device)[None, ...]
-for _ in range(args.num_samples):
-    y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k)
-    print(enc.decode([t for t in y[0].tolist() if t < enc.n_vocab]))  # ids >= 50257 are vocab padding
-    print('---------------')
+
+def tokenizer(info):
+    """(encode, decode) for the run's dataset. Ids past the dataset's vocabulary are the padding that rounds
+    it up to a multiple of 64 (84 characters -> 128, GPT-2's 50257 -> 50304): they decode to nothing."""
+    meta = info.get('meta') or checkpoint.dataset_meta(info['config']['dataset'])
+    if meta.get('tokenizer') == 'char':
+        chars = meta['chars']
+        stoi = {c: i for i, c in enumerate(chars)}
+
+        def encode(text):
+            unknown = sorted(set(text) - set(stoi))
+            if unknown:
+                raise SystemExit(f"the start text has characters this model never saw: {''.join(unknown)!r}")
+            return [stoi[c] for c in text]
+        return encode, lambda ids: ''.join(chars[i] for i in ids if i < len(chars))
+    from data.shakespeare.prepare import gpt2_encoding
+    enc = gpt2_encoding()
+    return (lambda text: enc.encode(text, allowed_special={'<|endoftext|>'}),
+            lambda ids: enc.decode([i for i in ids if i < enc.n_vocab]))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--ckpt', default=None, help="a consolidated .pt file or a checkpoint directory (ckpt-N)")
+    parser.add_argument('--out_dir', default='out-shakespeare-char', help="without --ckpt: its newest checkpoint")
+    parser.add_argument('--start', default='\n', help="prompt text, or FILE:path to read it from a file")
+    parser.add_argument('--num_samples', type=int, default=3)
+    parser.add_argument('--max_new_tokens', type=int, default=300)
+    parser.add_argument('--temperature', type=float, default=0.8, help='< 1 sharper, > 1 more random')
+    parser.add_argument('--top_k', type=int, default=200, help='sample only from the k most likely tokens')
+    parser.add_argument('--seed', type=int, default=1337)
+    parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    args = parser.parse_args(argv)
+    path = args.ckpt or args.out_dir
+    try:
+        model, info = load_model(path)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"cannot sample from {path}: {e} (train first: train.py saves a checkpoint at each eval "
+                         "that improves)")
+    model.to(args.device)
+    print(f"{path}: iteration {info['iter_num']}, val loss {info['best_val_loss']:.4f}, trained with "
+          f"zero_stage={info['stage']} on {info['world_size']} rank(s)")
+    encode, decode = tokenizer(info)
+    start = args.start
+    if start.startswith('FILE:'):
+        with open(start[5:], encoding='utf-8') as f:
+            start = f.read()
+    torch.manual_seed(args.seed)
+    x = torch.tensor(encode(start), dtype=torch.long, device=args.device)[None, ...]
+    for _ in range(args.num_samples):
+        y = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k)
+        print(decode(y[0].tolist()))
+        print('---------------')
+
+
+if __name__ == '__main__':
+    main()

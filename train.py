@@ -417,7 +417,8 @@ if __name__ == '__main__':
     try:
         config = parse_config(sys.argv[1:])
         check_config(config, int(os.environ.get('WORLD_SIZE', 1)))
-        checkpoint.find_resume(config, model_args(config, vocab_size(config)))  # a bad checkpoint: one line too
+        if os.path.exists(os.path.join(data_dir(config), 'meta.json')):  # else the vocab is known after preparing it
+            checkpoint.find_resume(config, model_args(config, vocab_size(config)))  # a bad checkpoint: one line too
     except ValueError as e:  # one line, once (torchrun starts every rank with the same mistake), exit code 1
         if int(os.environ.get('RANK', 0)) == 0:
             print(f"config error: {e}", file=sys.stderr)
