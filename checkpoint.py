@@ -17,8 +17,8 @@ everything, written by rank 0 as a 1-rank layout.
 moment leaves either no ckpt-N or a complete one; resume takes the newest directory with a manifest and
 checks every file against it. Leftover .tmp directories are removed by the next save, and only the newest
 keep_last complete checkpoints stay (the manifest is deleted first, so a crash while pruning cannot leave a
-directory that looks complete). A restarted worker (torchrun --max-restarts=N; with torch >= 2.5 also set
-TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see test_checkpoint.py) resumes from the newest one. A run from scratch
+directory that looks complete). A restarted worker (torchrun --max-restarts=N; train.py keeps each
+attempt's rendezvous apart, see train.restart_store) resumes from the newest one. A run from scratch
 refuses an out_dir that holds checkpoints: they belong to another run, and a restart or a keep_last cleanup
 would mix the two. (Several nodes need out_dir on a shared filesystem.)
 

@@ -32,7 +32,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import checkpoint
-import kernels
 import sample
 import train
 import zero
@@ -178,14 +177,12 @@ JOBS = {
     'slow writer': [Run('slow', 2, 1, stop=1, save_at=(1,), slow_write=True)],
     'litter': [Run('out', 2, 2, stop=2, save_at=(1, 2), cfg=dict(keep_last=1), litter=True)],
 }
-MERGED = hasattr(kernels, 'split_master')  # the precision modes (branch kernels-modes)
 REMAINDER = dict(dtype='bfloat16', master_weights='remainder', state_dtype='int8')  # bf16 param + int16, 8-bit moments
 NONE = dict(dtype='bfloat16', master_weights='none', state_dtype='bfloat16', stochastic_rounding=True)
-if MERGED:
-    JOBS.update({'precision remainder+int8, same layout': resume_runs(2, 3, cfg=REMAINDER),
-                 'precision none+bf16+stochastic rounding, same layout': resume_runs(2, 2, cfg=NONE),
-                 'precision, stage 3 on 2 -> stage 3 on 3': resave_runs(2, 3, 3, 3, old=REMAINDER, new=REMAINDER),
-                 'precision, stage 2 on 2 -> stage 1 on 4': resave_runs(2, 2, 4, 1, old=REMAINDER, new=REMAINDER)})
+JOBS.update({'precision remainder+int8, same layout': resume_runs(2, 3, cfg=REMAINDER),
+             'precision none+bf16+stochastic rounding, same layout': resume_runs(2, 2, cfg=NONE),
+             'precision, stage 3 on 2 -> stage 3 on 3': resave_runs(2, 3, 3, 3, old=REMAINDER, new=REMAINDER),
+             'precision, stage 2 on 2 -> stage 1 on 4': resave_runs(2, 2, 4, 1, old=REMAINDER, new=REMAINDER)})
 
 
 @functools.lru_cache(maxsize=None)
@@ -319,7 +316,6 @@ def test_one_two_and_four_ranks_with_the_same_global_batch_train_the_same_model(
         assert_same_run(as_run(runs['bug'], ckpt(d + '/bug', 10), every), one, **ORACLE)
 
 
-@pytest.mark.skipif(not MERGED, reason="precision modes are not merged yet")
 @pytest.mark.parametrize('mode', ['remainder+int8', 'none+bf16+stochastic rounding'])
 def test_precision_modes_resume_bit_identically(mode):
     """bf16 params with an int16 remainder and 8-bit moments, or bf16 params alone (stochastically rounded: the
@@ -449,10 +445,9 @@ def test_killed_rank_restarts_from_the_last_complete_checkpoint_and_ends_bit_ide
     restart, rank 1 after writing its file of ckpt-7 (a .tmp directory without a manifest); on the second, rank 0
     after writing ckpt-8's manifest but before the rename (a .tmp directory with a complete manifest)."""
     out_dir = scratch_dir('faults')
-    # torch >= 2.5: restarted gloo workers read the dead ones' addresses from torchrun's shared store and fail
-    # ("Gloo connectFullMesh failed ... Connection refused", 3 runs out of 3 here) unless the store is per attempt
-    # (pytorch/pytorch#135712)
-    env = {'NANOZERO_FAULT': 'step:5:1,save:7:1,manifest:8:0', 'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}
+    # (without train.restart_store the restarted gloo workers fail: "Gloo connectFullMesh failed ... Connection
+    # refused", 3 runs out of 3 here, pytorch/pytorch#135712)
+    env = {'NANOZERO_FAULT': 'step:5:1,save:7:1,manifest:8:0'}
     log = torchrun(2, f'--out_dir={out_dir}', *RUN, restarts=3, env=env)
     resumed = [line.split()[2] for line in log.splitlines() if line.startswith('resuming from')]
     assert resumed == [ckpt(out_dir, 4), ckpt(out_dir, 6), ckpt(out_dir, 7)]  # never the half-written 7 or 8

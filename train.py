@@ -253,8 +253,21 @@ def setup_distributed(cfg):
         device = torch.device('cuda', local_rank)
         torch.cuda.set_device(device)
     backend = cfg['backend'] or ('nccl' if device.type == 'cuda' else 'gloo')
-    dist.init_process_group(backend=backend, device_id=device if backend == 'nccl' else None)
+    dist.init_process_group(backend=backend, device_id=device if backend == 'nccl' else None, store=restart_store(),
+                            rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']))
     return device, dist.get_rank(), dist.get_world_size()
+
+
+def restart_store():
+    """After torchrun restarts the workers (--max-restarts), they rendezvous in torchrun's own TCP store again,
+    which still holds the dead attempt's keys (the ranks' addresses): gloo then connects to dead processes
+    (pytorch/pytorch#135712). A key prefix per attempt keeps each attempt to itself. None: the default store."""
+    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+    if attempt == '0' or os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return None
+    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), int(os.environ['WORLD_SIZE']),
+                          is_master=False)
+    return dist.PrefixStore(f'nanozero/attempt{attempt}', store)
 
 
 def check_config(cfg, world_size):
@@ -370,6 +383,9 @@ def main(cfg):
         checkpoint.fault_point('step', iter_num)
         if profiler:
             profiler.step()
+        if iter_num % cfg['log_interval'] == 0:
+            dist.all_reduce(loss)  # every rank: the mean over all ranks' micro-batches, whatever the world size
+            loss /= world_size
         if iter_num % cfg['log_interval'] == 0 and master_process:
             t1 = time.time()
             dt, t0 = (t1 - t0) / cfg['log_interval'], t1
