@@ -190,6 +190,9 @@ def spawn_jobs():
     """Every in-process job, in one spawn of WORLD ranks: (results of rank 0, of every rank, the root directory),
     or the exception that ended the spawn (returned, so the next test does not spawn again)."""
     root = scratch_dir('ckpt')
+    if not os.path.exists(os.path.join(train.ROOT, 'data', 'shakespeare_char', 'val.bin')):  # a fresh clone
+        from data.shakespeare_char.prepare import prepare
+        prepare()
     try:
         with mock.patch.dict(os.environ, {'MALLOC_MMAP_THRESHOLD_': '65536', 'OMP_NUM_THREADS': '1'}):  # inherited
             mp.spawn(_rank_main, args=(os.path.join(root, 'init'), root, JOBS), nprocs=WORLD)
