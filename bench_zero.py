@@ -157,10 +157,11 @@ class CommClock:
 
 def transient_bytes(engine):
     """Our buffers that live only during forward/backward: stage 2/3 bucket grad buffers, stage 3 unsharded
-    units (a resharded unit's storage is resized to 0)."""
+    units (a resharded unit's storage is resized to 0), less the shards gathered units free while gathered."""
     grads = sum(nbytes(b.flat_grad) for b in engine.buckets if b.flat_grad is not None) if engine.cfg.stage >= 2 else 0
-    params = sum(u.unsharded_param.untyped_storage().nbytes() for u in engine.units) if engine.cfg.stage == 3 else 0
-    return grads + params
+    units = engine.units if engine.cfg.stage == 3 else []
+    lent = sum(nbytes(u.sharded_param) for u in units if u.lends_shard and u.sharded_param.untyped_storage().nbytes() == 0)
+    return grads + sum(u.unsharded_param.untyped_storage().nbytes() for u in units) - lent
 
 
 def transient_bound(engine):

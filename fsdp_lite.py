@@ -9,6 +9,15 @@ zero.py owns and the optimizer writes. Around each use the unit is *unsharded*: 
 sharded param itself, or, when that is an fp32 master under bf16 compute, its rounding to bf16 (FSDP2 casts
 the same way). Grads and the optimizer are zero.py's business, exactly as in stage 2.
 
+[Note: a gathered unit holds its shard once] When the all-gather input is the sharded param itself (same
+dtype: fp32 compute, or a stored bf16 shard), the unsharded param holds this rank's shard, bit for bit, at
+this rank's offset: keeping the sharded param beside it too would hold Ψ_unit/N twice. So, given a sharded
+param with a storage of its own, a unit frees that storage once its all-gather is done and copies the shard
+back out of the unsharded param when it reshards (one shard-sized copy). Nothing reads the sharded param in
+between: the optimizer steps after backward, when every unit is sharded again. FSDP2 keeps both; on a
+2-rank GPT of 51M params (fp32) this is what puts stage 3's peak below stage 2's: at the start of backward
+the root unit (the tied embedding, half of Ψ) is gathered.
+
     forward:   pre-hook: launch this unit's all-gather (if no prefetch did), prefetch the next unit(s), wait
                post-hook: reshard if reshard_after_forward; hook the outputs to catch the pre-backward
     backward:  pre-backward: unshard again if resharded, prefetch the previous unit(s)
@@ -79,6 +88,9 @@ class Unit:
         for p, view in bucket.views(self.unsharded_param):
             point_param_at(p, view)  # the module's params are views into the unsharded buffer from now on
         self.unsharded_param.untyped_storage().resize_(0)  # nothing held until the first forward gathers it
+        shard_nbytes = sharded_param.numel() * sharded_param.element_size()
+        owns_storage = sharded_param.untyped_storage().nbytes() == shard_nbytes
+        self.lends_shard = sharded_param.dtype == cfg.param_dtype and owns_storage  # [Note: a gathered unit holds its shard once]
         self.state, self.work = State.SHARDED, None
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
@@ -110,10 +122,16 @@ class Unit:
             with record_function(f'wait all_gather unit {self.bucket.index}'):
                 self.work.wait()
             self.work, self.state = None, State.UNSHARDED
+            if self.lends_shard:
+                self.sharded_param.untyped_storage().resize_(0)  # its values are in the unsharded param now
 
     def reshard(self):
         self.wait_for_unshard()  # never free memory an all-gather is still writing into
         if self.state is State.UNSHARDED:
+            if self.lends_shard:
+                self.sharded_param.untyped_storage().resize_(self.sharded_param.numel() * self.sharded_param.element_size())
+                with torch.no_grad():
+                    self.sharded_param.copy_(self.bucket.shard(self.unsharded_param))
             self.unsharded_param.untyped_storage().resize_(0)
             self.state = State.SHARDED
             self.schedule.live -= not self.is_root

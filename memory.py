@@ -83,18 +83,20 @@ def activation_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes):
     return saved_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes) + tokens * vocab_size * 8
 
 
-def transient_bytes(stage, cfg, block_numel, root_numel, psi):
+def transient_bytes(stage, cfg, block_numel, root_numel, psi, world):
     """Buffers that live only during forward/backward: stage 2/3 one bucket-sized grad buffer in flight
     ([Note: one grad buffer]); stage 3 the prefetch + 1 gathered blocks and the root unit (kept gathered from
-    its forward to the end of backward). A stage 2 bucket holds up to bucket_mb of grads, but a param larger than
-    that gets a bucket to itself (GPT-2's tied embedding, in the root: 38.6M elements, 154 MB of fp32 grads; no
-    param is larger than its unit), and no bucket is larger than the model."""
+    its forward to the end of backward), less their own shards where a gathered unit frees them (fsdp_lite
+    [Note: a gathered unit holds its shard once]: no fp32 master beside the params). A stage 2 bucket holds up to
+    bucket_mb of grads, but a param larger than that gets a bucket to itself (GPT-2's tied embedding, in the root:
+    38.6M elements, 154 MB of fp32 grads; no param is larger than its unit), and no bucket is larger than the model."""
     if stage < 2:
         return 0
     r, largest_param = cfg.reduce_dtype.itemsize, max(block_numel, root_numel)
     if stage == 2:
         return min(psi, max(cfg.bucket_mb * 2**20 // r, largest_param)) * r
-    return largest_param * r + ((cfg.prefetch + 1) * block_numel + root_numel) * cfg.param_dtype.itemsize
+    lent = 1 / world if cfg.precision.master_dtype(cfg.param_dtype) != torch.float32 else 0
+    return largest_param * r + ((cfg.prefetch + 1) * block_numel + root_numel) * cfg.param_dtype.itemsize * (1 - lent)
 
 
 def stage_estimates(psi, world, cfg, activations, block_numel, root_numel):
@@ -104,7 +106,7 @@ def stage_estimates(psi, world, cfg, activations, block_numel, root_numel):
     for stage in (0, 1, 2, 3):
         c = dataclasses.replace(cfg, stage=stage, precision=type(cfg.precision)()) if stage == 0 else dataclasses.replace(cfg, stage=stage)
         states = sum(b for _, b in model_states(stage, psi, world, c).values())
-        out[stage] = states + transient_bytes(stage, c, block_numel, root_numel, psi) + activations
+        out[stage] = states + transient_bytes(stage, c, block_numel, root_numel, psi, world) + activations
     return out
 
 
@@ -153,8 +155,8 @@ def counted_states(engine):
     if engine.stage == 0:  # DDP + torch AdamW: fp32 params, grads (in DDP's buckets), exp_avg, exp_avg_sq
         return {k: (torch.float32, 4 * engine.psi) for k in ('params', 'grads', 'exp_avg', 'exp_avg_sq')}
     reduce = engine.cfg.reduce_dtype
-    params = engine.param_shards if engine.stage == 3 else engine.flat_param  # stage 3: None next to an fp32 master
-    out = {'params': (getattr(params, 'dtype', None), nbytes(params)),
+    params = (engine.param_shards or []) if engine.stage == 3 else [engine.flat_param]  # stage 3: one per unit, or none
+    out = {'params': (params[0].dtype if params else None, sum(map(nbytes, params))),  # (none next to an fp32 master)
            'grads': (reduce if engine.stage == 1 else torch.float32,
                      4 * engine.shard_numel + (reduce.itemsize * engine.flat_numel if engine.stage == 1 else 0)),
            'master': (getattr(engine.master, 'dtype', None), nbytes(engine.master))}

@@ -128,7 +128,8 @@ def hand_estimates(world):
     return {0: 16 * psi + activations,  # torch DDP: fp32 params, grads, exp_avg, exp_avg_sq
             1: 4 * psi + 4 * psi + 12 * psi / world + activations,  # fp32 params (the masters) and full flat_grad
             2: 4 * psi + 12 * psi / world + 2**20 + activations,  # + one 1 MiB grad bucket in flight (> any param)
-            3: 16 * psi / world + 4 * block + 4 * (2 * block + root) + activations}  # + a unit's grads, 2 blocks + root
+            # + a unit's grads, 2 blocks + the root gathered, less their own shards (fp32 compute: freed while gathered)
+            3: 16 * psi / world + 4 * block + 4 * (2 * block + root) * (1 - 1 / world) + activations}
 
 
 def auto_config(memory_gb):

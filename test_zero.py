@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import checkpoint
+import fsdp_lite
 import memory
 import train
 import zero
@@ -135,12 +136,16 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
         for block in model.transformer.h:
             block.forward = torch.compile(block.forward)
     events = record_unit_events(engine) if trace else None
-    resident = []  # zero3: block units holding unsharded storage, sampled as each block's forward starts
-    if kind == 'zero3':
+    resident, twice = [], []  # zero3, sampled as each block's forward starts: block units holding unsharded
+    if kind == 'zero3':       # storage; units, the root included, holding their shard both gathered and sharded
         blocks = [u for u in engine.units if not u.is_root]
+
+        def sample(*_):
+            resident.append(sum(b.unsharded_param.untyped_storage().nbytes() > 0 for b in blocks))
+            twice.append(sum(u.state is fsdp_lite.State.UNSHARDED and u.sharded_param.untyped_storage().nbytes() > 0
+                             for u in engine.units))
         for u in blocks:
-            u.module.register_forward_pre_hook(
-                lambda *_: resident.append(sum(b.unsharded_param.untyped_storage().nbytes() > 0 for b in blocks)))
+            u.module.register_forward_pre_hook(sample)
     data = torch.Generator().manual_seed(1234)
     losses, norms, scales = [], [], []
     local = accum // world_size
@@ -176,7 +181,8 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
                     peak_grad_buffers=engine.peak_grad_buffers, n_buckets=len(engine.buckets))
         if kind == 'zero3':
             info.update(peak_live=engine.units[0].schedule.peak_live, root_padded=engine.buckets[-1].padded_numel,
-                        peak_resident=max(resident, default=0),
+                        peak_resident=max(resident, default=0), held_twice=max(twice, default=0),
+                        lends=[u.lends_shard for u in engine.units],
                         resident_after=sum(u.unsharded_param.untyped_storage().nbytes() for u in engine.units))
     return dict(losses=losses, norms=norms, scales=scales, params=params, **info)
 
@@ -392,6 +398,16 @@ def test_zero3_really_frees_unsharded_params(world_size):
                 **({} if prefetch == 1 else dict(prefetch=prefetch, reshard_after_forward=True)))
         assert r['peak_resident'] <= prefetch + 1, (prefetch, r['peak_resident'])
         assert r['resident_after'] == 0, r['resident_after']
+
+
+@pytest.mark.parametrize('world_size', [2, 3])
+def test_zero3_a_gathered_unit_does_not_also_hold_its_shard(world_size):
+    """[Note: a gathered unit holds its shard once]: with fp32 compute the all-gather input is the sharded param
+    itself, and a gathered unit's own shard then lives only in its unsharded param, the root's too (the runs still
+    equal DDP's and FSDP2's: the parity tests; test_precision.py covers the bf16 modes)."""
+    r = get(world_size, kind='zero3', accum=2 * world_size)
+    assert all(r['lends']) and r['held_twice'] == 0, (r['lends'], r['held_twice'])
+    assert r['peak_resident'] >= 1  # the samples did see gathered units
 
 
 @pytest.mark.parametrize('stage', [1, 2, 3])

@@ -545,17 +545,18 @@ class Zero3(Zero2):
         return [b for _, b in self.pairs]
 
     def init_params(self):
-        # the sharded param each unit all-gathers from: the master itself when it is kept in fp32 (the unit
-        # rounds it to param_dtype on the way in), else a stored shard in param_dtype ([Note: who holds the master])
+        # what each unit all-gathers from: the fp32 master (rounded to param_dtype on the way in), else a shard stored in
+        # param_dtype ([Note: who holds the master]), a tensor per unit (fsdp_lite [Note: a gathered unit holds its shard once])
         keeps_shard = self.master is None or self.master.dtype != torch.float32
-        self.param_shards = torch.empty(self.shard_numel, dtype=self.cfg.param_dtype, device=self.device) if keeps_shard else None
+        self.param_shards = [torch.empty(b.shard_numel, dtype=self.cfg.param_dtype, device=self.device)
+                             for b in self.buckets] if keeps_shard else None
         for b in self.buckets:
             self.set_master(b, b.shard(self.pack(b)))  # one unit's fp32 values alive at a time
-        self.units = fsdp_lite.fully_shard([(m, b, (self.param_shards if keeps_shard else self.master)[b.shard_slice])
+        self.units = fsdp_lite.fully_shard([(m, b, self.param_shard(b) if keeps_shard else self.master[b.shard_slice])
                                             for m, b in self.pairs], self.model, self.comm, self.cfg)
 
     def param_shard(self, b):
-        return None if self.param_shards is None else self.param_shards[b.shard_slice]
+        return None if self.param_shards is None else self.param_shards[b.index]
 
     def launched(self, b):
         self.units[b.index].post_backward()  # the unit's grads are all in its bucket: its params can go
