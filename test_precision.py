@@ -83,6 +83,16 @@ def test_fp16_loss_scaling_matches_bf16_free_training_within_fp16_noise():
     torch.testing.assert_close(torch.tensor(fp16['losses']), torch.tensor(fp32['losses']), rtol=2e-3, atol=0)
 
 
+@pytest.mark.parametrize('stage', [1, 2])
+def test_every_rank_starts_from_the_params_as_their_owners_store_them(stage):
+    # every param at a tie between two bf16 (1 + 2^-8): without a master the owner rounds it to nearest-even (1.0),
+    # with an fp32 master half away from zero (1 + 2^-7); each rank's copy of every other rank's shard must agree
+    tie = 1 + 2**-8
+    none, fp32 = run_ranks(2, [dict(kind=f'zero{stage}', param_dtype=torch.bfloat16, steps=0, init_value=tie, **extra)
+                               for extra in ({'precision': MODES['none']}, {})])
+    assert set(none['init_values']) - {0.0} == {1.0} and set(fp32['init_values']) - {0.0} == {1 + 2**-7}, (none, fp32)
+
+
 def test_a_risky_combination_is_named_once_on_rank_0(tmp_path):
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
            'config/shakespeare_char.py', '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2',

@@ -124,14 +124,20 @@ def full_params(engine, model):
 
 
 def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume_at=None, model_kw=None,
-            frozen_and_unused=False, mismatch=False, meta=False, compile=False, trace=False, inf_at=None, **zero_kw):
+            frozen_and_unused=False, mismatch=False, meta=False, compile=False, trace=False, inf_at=None, init_value=None,
+            **zero_kw):
     """Train TINY for `steps` steps; accum is the global number of micro-batches per step. Returns
     dict(losses, norms, params, engine info) as seen by this rank. resume_at: save a checkpoint there and
     continue from it in a new model and engine (meta=True: built on the meta device, as train.py does).
     compile: torch.compile each block (stage 3); trace: record the last step's all-gather events (stage 3);
-    inf_at: at that step rank world_size - 1 gets an inf grad, and every rank checks the step was skipped."""
+    inf_at: at that step rank world_size - 1 gets an inf grad, and every rank checks the step was skipped;
+    init_value: every param starts at it (stages 1/2 return the distinct values of the compute params then)."""
     model = tiny_model(rank, model_kw, frozen_and_unused, mismatch, meta)
+    if init_value is not None:
+        for p in model.parameters():
+            torch.nn.init.constant_(p, init_value)
     engine = make_engine(kind, model, grad_clip, **zero_kw)
+    init_values = engine.flat_param.float().unique().tolist() if init_value is not None else None
     if compile:
         for block in model.transformer.h:
             block.forward = torch.compile(block.forward)
@@ -171,6 +177,8 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
         scales.append(engine.scaler.get_scale() if hasattr(engine, 'scaler') else None)
     params = full_params(engine, model)
     info = dict(events=events) if trace else {}
+    if init_values is not None:
+        info.update(init_values=init_values)
     if compile:
         info.update(graphs_after_first_step=graphs, graphs=torch._dynamo.utils.counters['stats']['unique_graphs'])
     if kind == 'ddp' or kind.startswith('zero'):

@@ -348,15 +348,15 @@ class Zero1:
         return value
 
     def init_params(self):
-        """Every param becomes a view into one flat_param (param_dtype); the masters hold the exact values."""
+        """Every param becomes a view into one flat_param (param_dtype), gathered from the shards as stored."""
         self.flat_param = torch.empty(self.flat_numel, dtype=self.cfg.param_dtype, device=self.device)
         for b in self.buckets:
-            flat32 = self.pack(b)
             b.flat_param = self.flat_param[b.flat_offset:b.flat_offset + b.padded_numel]
-            b.flat_param.copy_(kernels.cast_param(flat32, self.cfg.param_dtype))
-            self.set_master(b, b.shard(flat32))
+            self.set_master(b, b.shard(self.pack(b)))
+            self.gather_params(b).wait()  # each rank's params as their owner stores them (its precision's rounding)
             for p, view in b.views(b.flat_param):
                 fsdp_lite.point_param_at(p, view)
+        self.comm.numel, self.comm.bytes = Counter(), Counter()  # start-up is not counted (broadcast neither)
 
     def param_shard(self, b):
         return b.shard(b.flat_param)  # this rank's slice of the bucket's compute params
