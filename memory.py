@@ -11,6 +11,7 @@ The estimate for "nanozero as configured" is the same function (model_states) wh
 table prints next to the bytes counted from the tensors, so the two cannot disagree unnoticed.
 """
 import argparse
+import dataclasses
 import os
 
 import torch
@@ -99,12 +100,17 @@ def transient_bytes(stage, cfg, block_numel, root_numel, psi, world):
     return largest_param * r + ((cfg.prefetch + 1) * block_numel + root_numel) * cfg.param_dtype.itemsize * (1 - lent)
 
 
+def stage_config(cfg, stage):
+    """cfg at another stage; stage 0 is torch DDP + AdamW, which knows only the default precision."""
+    return dataclasses.replace(cfg, stage=stage, **({'precision': type(cfg.precision)()} if stage == 0 else {}))
+
+
 def stage_estimates(psi, world, cfg, activations, block_numel, root_numel):
-    """stage -> bytes per rank: model states + transients + activations."""
-    import dataclasses
+    """stage -> bytes per rank: model states + transients + activations. Stage 0 only with the default precision:
+    the precision modes are ZeRO's fused step, which torch AdamW cannot honour."""
     out = {}
-    for stage in (0, 1, 2, 3):
-        c = dataclasses.replace(cfg, stage=stage, precision=type(cfg.precision)()) if stage == 0 else dataclasses.replace(cfg, stage=stage)
+    for stage in (0, 1, 2, 3) if cfg.precision == type(cfg.precision)() else (1, 2, 3):
+        c = stage_config(cfg, stage)
         states = sum(b for _, b in model_states(stage, psi, world, c).values())
         out[stage] = states + transient_bytes(stage, c, block_numel, root_numel, psi, world) + activations
     return out
@@ -201,14 +207,13 @@ def estimate_table(psi, world, cfg, accum, k=12):
         s = paper_states(stage, psi, world, k)
         rows.append(f"| {stage} | " + ' | '.join(f"{v / 1e9:.7g}" for v in (*s.values(), sum(s.values())))
                     + f" | {sent_psi[stage]} |")
-    import dataclasses
     rows += [f"\nnanozero as configured (params {dtype_name(cfg.param_dtype)}, reduce {dtype_name(cfg.reduce_dtype)}, "
              f"master_weights={cfg.precision.master_weights}, state_dtype={cfg.precision.state_dtype}; stage 0 is "
              f"torch DDP + AdamW on fp32 params):\n",
              "| stage | params | grads | master | exp_avg | exp_avg_sq | total | sent per step, GB |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for stage in range(4):
-        c = dataclasses.replace(cfg, stage=stage, precision=type(cfg.precision)()) if stage == 0 else dataclasses.replace(cfg, stage=stage)
+        c = stage_config(cfg, stage)
         s = model_states(stage, psi, world, c)
         cells = [f"{s[name][1] / 1e9:.4g} {dtype_name(s[name][0])}" if name in s else '-'
                  for name in ('params', 'grads', 'master', 'exp_avg', 'exp_avg_sq')]

@@ -151,6 +151,20 @@ def test_auto_picks_the_lowest_stage_that_fits_in_90_percent_of_the_memory(expec
         assert f"stage {s} {bytes_needed / 1e9:.3g}" in line  # the reasoning shows the same figures
 
 
+def test_auto_never_picks_stage_0_with_a_precision_mode_that_torch_adamw_cannot_honour():
+    cfg = train.parse_config(['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=16', '--batch_size=1',
+                              '--dtype=bfloat16', '--master_weights=remainder', '--zero_stage=auto', '--memory_gb=1000'])
+    stage, line = train.choose_stage(cfg, torch.device('cpu'), 8, {**train.model_args(cfg, 256), 'vocab_size': 256})
+    assert stage == 1 and 'stage 0' not in line, line  # everything fits; with the default precision: stage 0
+    default = train.parse_config(['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=16', '--batch_size=1',
+                                  '--dtype=bfloat16', '--zero_stage=auto', '--memory_gb=1000'])
+    assert train.choose_stage(default, torch.device('cpu'), 8, {**train.model_args(default, 256), 'vocab_size': 256})[0] == 0
+    out = subprocess.run([sys.executable, 'zero.py', 'estimate', '--config', 'config/shakespeare_char.py', '--world', '2',
+                          '--gpu_gb', '80', '--set', 'dtype=bfloat16', '--set', 'master_weights=remainder'],
+                         capture_output=True, text=True, timeout=120)
+    assert '-> stage 1, the lowest that fits' in out.stdout, out.stdout[-1500:] + out.stderr[-1500:]  # the estimator too
+
+
 def test_auto_when_nothing_fits_is_a_clear_error():
     cfg, args = auto_config(memory_gb=0.5 * hand_estimates(world=8)[3] / 1e9)
     with pytest.raises(ValueError, match=r"-> none fits: use more ranks, a smaller batch_size or block_size"):

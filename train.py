@@ -15,7 +15,6 @@ Any key below can be set in a config file (plain Python assignments) or as --key
 import ast
 import difflib
 import glob
-import json
 import math
 import os
 import sys
@@ -144,9 +143,7 @@ def data_dir(cfg):
 def vocab_size(cfg):
     """The dataset's vocabulary (meta.json) rounded up to a multiple of 64 for faster matmuls: GPT-2's
     50257 -> 50304, Shakespeare's 84 characters -> 128. Without a meta.json: GPT-2's."""
-    meta = os.path.join(data_dir(cfg), 'meta.json')
-    n = json.load(open(meta)).get('vocab_size', 50257) if os.path.exists(meta) else 50257
-    return math.ceil(n / 64) * 64
+    return math.ceil(checkpoint.dataset_meta(cfg['dataset']).get('vocab_size', 50257) / 64) * 64
 
 
 def model_args(cfg, vocab):
@@ -275,6 +272,8 @@ def check_config(cfg, world_size):
     if cfg['gradient_accumulation_steps'] % world_size:
         raise ValueError(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} is the global count of "
                          f"micro-steps and must be divisible by the {world_size} ranks")
+    if cfg['keep_last'] < 1:
+        raise ValueError(f"keep_last={cfg['keep_last']}: keep at least 1 checkpoint")
     for key, allowed in (('dtype', ('float32', 'bfloat16', 'float16')), ('reduce_dtype', ('float32', 'bfloat16')),
                          ('init_from', ('scratch', 'resume'))):
         if cfg[key] not in allowed:
@@ -305,8 +304,6 @@ def choose_stage(cfg, device, world_size, args):
     activations = memory.activation_bytes(args['n_layer'], args['n_embd'], args['vocab_size'],
                                           cfg['batch_size'] * cfg['block_size'], zcfg.param_dtype.itemsize)
     estimates = memory.stage_estimates(psi, world_size, zcfg, activations, *memory.unit_sizes(model, model.transformer.h))
-    if zcfg.precision != kernels.Precision():
-        del estimates[0]  # the precision modes are ZeRO's fused step: stage 0 (torch AdamW) cannot honour them
     stage, line = memory.pick_stage(estimates, memory.device_memory_bytes(device, cfg['memory_gb']))
     if stage is None:
         raise ValueError(f"{line}: use more ranks, a smaller batch_size or block_size, or set memory_gb")
@@ -357,7 +354,7 @@ def main(cfg):
         f"{cfg['batch_size']} batch * {cfg['block_size']} tokens")
     log(f"params: {model.get_num_params() / 1e6:.2f}M, optimizer: {optimizer}")
     log(memory.startup_table(engine, world_size))
-    warning = engine.cfg.precision.warning(engine.cfg.param_dtype)
+    warning = engine.cfg.precision.warning()
     if warning:
         log(f"warning: {warning}")
     if cfg['compile']:
