@@ -87,15 +87,7 @@ class Precision:
         state = {'float32': 4, 'bfloat16': 2, 'int8': 1 + 4 / 256}[self.state_dtype]  # int8: + one fp32 absmax per 256
         return {'master': master.itemsize if master else 0, 'exp_avg': state, 'exp_avg_sq': state}
 
-    def label(self, population, param_dtype):
-        """A short name for tables: 'float32', 'int16 remainder', 'uint8+absmax', '(the params)', ..."""
-        if population != 'master':
-            return {'int8': 'uint8+absmax'}.get(self.state_dtype, self.state_dtype)
-        if self.master_weights == 'remainder':
-            return 'int16 remainder'
-        return 'float32' if self.master_dtype(param_dtype) else '(the params)'
-
-    def warning(self, param_dtype):
+    def warning(self):
         if self.master_weights == 'none' and self.state_dtype != 'float32':
             return (f"master_weights='none' with {self.state_dtype} state keeps no fp32 copy of the weights and "
                     "low-precision moments: in a public comparison of the same 8-bit AdamW with and without ZeRO-3's "
@@ -129,9 +121,12 @@ def _from_unsigned(u, dtype):
 
 
 def _round_bf16(x32, below):
-    """bf16 of fp32 bits + below (< 2^16), truncated; NaN -> quiet NaN (the add could carry a NaN into inf)."""
-    bits = _unsigned(x32)
-    return _from_unsigned(torch.where(x32.isnan(), (bits >> 16) | 0x40, (bits + below) >> 16), torch.bfloat16)
+    """bf16 of fp32 bits + below (< 2^16), truncated; NaN -> quiet NaN (the add could carry a NaN into inf). In int32,
+    to keep the temporaries small (every stage-3 gather with an fp32 master runs this): the add overflows only for
+    NaN patterns, which the where replaces, and a negative float's high half, shifted arithmetically, is its int16."""
+    bits = x32.view(torch.int32)
+    below = below.to(torch.int32) if torch.is_tensor(below) else below
+    return torch.where(x32.isnan(), (bits >> 16) | 0x40, (bits + below) >> 16).to(torch.int16).view(torch.bfloat16)
 
 
 def cast_param(master32, dtype):
@@ -385,7 +380,7 @@ class AdamWArgs(ctypes.Structure):
 # (torch's headers, ninja) took 25-40 s for the CPU one alone. Python fills the args struct from tensors and
 # calls an extern "C" entry point through ctypes. The CUDA library links the *shared* cudart, so it uses the
 # libcudart that torch has already loaded, and launches on torch's current stream. The file name carries a hash of
-# everything that changes the binary: source, flags, compiler and version, the CPU's ISA level (-march=native code
+# everything that changes the binary: source, flags, compiler and version, the CPU's extensions (-march=native code
 # only runs on CPUs like the one that built it) or the GPU archs. Many ranks starting at once: one takes a file lock
 # and builds into a temporary file that it renames into place; the others wait on the lock, then find it built.
 
@@ -407,12 +402,12 @@ def _compiler(impl):
         path = shutil.which("nvcc") or shutil.which(os.path.join(cuda_home, "bin", "nvcc"))
         if path is None:
             raise RuntimeError("no CUDA toolkit: nvcc is not on PATH nor in $CUDA_HOME/bin")
-    return path, _version(path)
+    return path, _run(path, "--version")
 
 
 @functools.lru_cache(maxsize=None)
-def _version(compiler):
-    return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.strip()
+def _run(*command):
+    return subprocess.run(command, capture_output=True, text=True).stdout.strip()
 
 
 def _cuda_arch_flags():
@@ -444,7 +439,8 @@ def cache_path(impl):
     exist yet, the first adamw_step builds it (seconds: [Note: plain shared libraries]), so a caller can say so first.
     RuntimeError with the reason if impl cannot be built here (no compiler; for 'cuda' no GPU and no arch list)."""
     source = CPU_SOURCE if impl == "cpu" else CUDA_SOURCE
-    isa = torch.backends.cpu.get_cpu_capability() if impl == "cpu" else ""
+    # the CPU: every ISA macro -march=native enables here (two CPUs of one AVX-512 level can still differ)
+    isa = _run(_compiler("cpu")[0], "-march=native", "-dM", "-E", "-x", "c++", "/dev/null") if impl == "cpu" else ""
     key = "\0".join([source, *_command(impl), _compiler(impl)[1], isa])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("NANOZERO_CACHE") or Path.home() / ".cache" / "nanozero")
@@ -454,6 +450,8 @@ def cache_path(impl):
 def compile_library(source, command, path):
     """Compile source with command (the compiler and its flags) into the shared library path, once: [Note: plain
     shared libraries]. RuntimeError with the compiler's first error line if it fails."""
+    if path.exists():
+        return  # built: no lock needed (a read-only cache works too)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a killed process exits
@@ -554,7 +552,7 @@ def _check(tensors, decay_numel, rounding_seed):
     weights = (_dtype(tensors["master"]), _dtype(tensors["param"]))
     if weights not in _WEIGHTS_KINDS:
         raise TypeError(f"adamw_step: (master, param) dtypes {weights} are not a mode; use one of {list(_WEIGHTS_KINDS)}")
-    if uint8 and (n % 256 or tensors["exp_avg_absmax"] is None):
+    if uint8 and (n % 256 or tensors["exp_avg_absmax"] is None or tensors["exp_avg_sq_absmax"] is None):
         raise ValueError(f"adamw_step: uint8 state needs n a multiple of 256 (blocks of 256; pad the shard to "
                          f"Precision.align) and absmax=(exp_avg_absmax, exp_avg_sq_absmax): got n={n}")
     if not uint8 and tensors["exp_avg_absmax"] is not None:

@@ -697,6 +697,21 @@ def test_cache_path_depends_on_source_flags_and_cache_dir(monkeypatch, tmp_path)
     other_flags = kernels.cache_path("cpu")
     monkeypatch.setattr(kernels, "CPU_SOURCE", kernels.CPU_SOURCE + "\n")
     assert kernels.cache_path("cpu") not in (path, other_flags)
+    other_source = kernels.cache_path("cpu")
+    run = kernels._run  # another CPU: one more ISA extension among -march=native's macros
+    monkeypatch.setattr(kernels, "_run", lambda *c: run(*c) + ("\n#define __AVX512FP16__ 1" if "-dM" in c else ""))
+    assert kernels.cache_path("cpu") not in (path, other_flags, other_source)
+
+
+def test_a_built_library_is_loaded_without_taking_the_lock(monkeypatch, tmp_path):
+    # a read-only or shared cache: nothing to write when the library is there (the lock file cannot be opened here)
+    monkeypatch.setenv("NANOZERO_CACHE", str(tmp_path))
+    path = kernels.cache_path("cpu")
+    kernels.compile_library(kernels.CPU_SOURCE, kernels._command("cpu"), path)
+    path.with_suffix(".lock").unlink()
+    path.with_suffix(".lock").mkdir()  # open(..., "w") on it raises IsADirectoryError
+    kernels.compile_library(kernels.CPU_SOURCE, kernels._command("cpu"), path)
+    assert kernels.Library(path).lib.adamw_args_size() == ctypes.sizeof(kernels.AdamWArgs)
 
 
 def test_concurrent_processes_build_once_and_later_ones_only_load(tmp_path):
@@ -754,6 +769,10 @@ def test_kernel_rejects_bad_shapes_dtypes_and_arguments():
     with pytest.raises(ValueError, match="uint8 state needs n a multiple of 256"):
         kernels.adamw_step(uint8.master[:500], torch.ones(500), uint8.exp_avg[:500], uint8.exp_avg_sq[:500],
                            uint8.param[:500], torch.zeros(1), decay_numel=5, absmax=uint8.absmax, **kw)
+    for absmax in ((uint8.absmax[0], None), (None, uint8.absmax[1])):  # either missing: a null pointer otherwise
+        with pytest.raises(ValueError, match="uint8 state needs"):
+            kernels.adamw_step(uint8.master, torch.ones(512), uint8.exp_avg, uint8.exp_avg_sq, uint8.param,
+                               torch.zeros(1), decay_numel=5, absmax=absmax, **kw)
 
 # ----------------------------------------------------------------------------
 # Precision: the per-mode description zero.py sizes its layout and tables with
@@ -772,7 +791,7 @@ def test_precision_check_names_the_problem_and_the_fix():
     kernels.Precision(master_weights="none", state_dtype="int8", stochastic_rounding=True).check(bf16)
 
 
-def test_precision_describes_dtypes_bytes_and_labels():
+def test_precision_describes_dtypes_bytes_and_the_risky_combinations():
     bf16, fp32 = torch.bfloat16, torch.float32
     default, remainder8 = kernels.Precision(), kernels.Precision("remainder", "int8")
     assert default.master_dtype(bf16) == fp32 and default.master_dtype(fp32) is None
@@ -781,11 +800,9 @@ def test_precision_describes_dtypes_bytes_and_labels():
     assert default.bytes_per_element(bf16) == {"master": 4, "exp_avg": 4, "exp_avg_sq": 4}
     assert default.bytes_per_element(fp32)["master"] == 0  # the fp32 params are the master
     assert remainder8.bytes_per_element(bf16) == {"master": 2, "exp_avg": 1 + 4 / 256, "exp_avg_sq": 1 + 4 / 256}
-    assert [default.label("master", fp32), default.label("master", bf16), remainder8.label("master", bf16),
-            remainder8.label("exp_avg", bf16), kernels.Precision(state_dtype="bfloat16").label("exp_avg_sq", bf16)] == \
-        ["(the params)", "float32", "int16 remainder", "uint8+absmax", "bfloat16"]
-    assert default.warning(bf16) is None and kernels.Precision("none").warning(bf16) is None
-    assert "no fp32 copy of the weights" in kernels.Precision("none", "int8").warning(bf16)
+    assert default.warning() is None and kernels.Precision("none").warning() is None
+    assert "no fp32 copy of the weights" in kernels.Precision("none", "int8").warning()
+    assert "with bfloat16 state" in kernels.Precision("none", "bfloat16").warning()
 
 # ----------------------------------------------------------------------------
 # bench.py kernels
