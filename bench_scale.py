@@ -127,8 +127,7 @@ def measure(kind, cfg, world_size, quick):
         sync()
         times.append(time.perf_counter() - t0)
     steps_peak = peak_bytes(device)
-    counted = memory.counted_states(engine) if bench_zero.ours(engine) else engine.populations()  # ours: (dtype, bytes)
-    pops = {k: v if isinstance(v, int) else v[1] for k, v in counted.items()}
+    pops = bench_zero.model_state_bytes(engine)
     dist.destroy_process_group()
     return dict(kind=kind, psi=engine.psi, estimate=sum(b for _, b in estimate.values()), populations=pops,
                 pads=engine.flat_numel - engine.psi if bench_zero.ours(engine) else None,

@@ -110,7 +110,8 @@ def build(kind, cfg, device):
 def model_state_bytes(engine):
     """population -> bytes on this rank. DDP's all-reduce buckets hold the grads themselves when
     gradient_as_bucket_view=True (both DDP kinds here); without it they are a second copy, kept all run."""
-    pops = {k: v if isinstance(v, int) else v[1] for k, v in (memory.counted_states(engine) if hasattr(engine, 'stage') else engine.populations()).items()}  # ours: (dtype, bytes)
+    pops = ({k: b for k, (_, b) in memory.counted_states(engine).items()} if hasattr(engine, 'stage')
+            else engine.populations())  # ours: (dtype, bytes) each
     if isinstance(engine.module, DDP) and not engine.module.gradient_as_bucket_view:
         sizes = engine.module._get_ddp_logging_data().get('bucket_sizes', '')  # e.g. '26214400, 3807232' bytes
         pops['ddp buckets'] = sum(int(s) for s in str(sizes).split(',') if s.strip())

@@ -208,8 +208,6 @@ def find_resume(cfg, model_args):
     """(path, manifest) to resume from, or None. init_from='resume' needs a checkpoint; a worker restarted by
     torchrun (--max-restarts) resumes from the newest complete one when there is one. Every problem is a
     ValueError naming the file, raised before any training step."""
-    if cfg['keep_last'] < 1:
-        raise ValueError(f"keep_last={cfg['keep_last']}: keep at least 1 checkpoint")
     restarted = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)) > 0
     path = latest(cfg['out_dir'])
     if cfg['init_from'] != 'resume' and not restarted:

@@ -88,16 +88,19 @@ class Unit:
         for p, view in bucket.views(self.unsharded_param):
             point_param_at(p, view)  # the module's params are views into the unsharded buffer from now on
         self.unsharded_param.untyped_storage().resize_(0)  # nothing held until the first forward gathers it
-        shard_nbytes = sharded_param.numel() * sharded_param.element_size()
-        owns_storage = sharded_param.untyped_storage().nbytes() == shard_nbytes
-        self.lends_shard = sharded_param.dtype == cfg.param_dtype and owns_storage  # [Note: a gathered unit holds its shard once]
+        # [Note: a gathered unit holds its shard once]: the all-gather input is the sharded param itself
+        self.lends_shard = sharded_param.dtype == cfg.param_dtype
+        self.shard_nbytes = sharded_param.untyped_storage().nbytes()
+        assert not self.lends_shard or self.shard_nbytes == sharded_param.numel() * sharded_param.element_size(), \
+            "a sharded param gathered as it is must have a storage of its own (zero.py: a tensor per unit)"
         self.state, self.work = State.SHARDED, None
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
 
     # --- the three states
 
-    def unshard(self, async_op=False):
+    def unshard(self):
+        """Launch the all-gather (wait_for_unshard waits for it)."""
         if self.state is State.SHARDED:
             # [Note: free the storage, not the tensor] autograd saved some params (views of this buffer)
             # for backward; shrinking and regrowing the storage keeps every view valid, and they all see
@@ -109,11 +112,9 @@ class Unit:
             if not self.is_root:
                 self.schedule.live += 1
                 self.schedule.peak_live = max(self.schedule.peak_live, self.schedule.live)
-        if not async_op:
-            self.wait_for_unshard()
 
     def all_gather_input(self):
-        if self.sharded_param.dtype == self.unsharded_param.dtype:
+        if self.lends_shard:
             return self.sharded_param
         return kernels.cast_param(self.sharded_param, self.unsharded_param.dtype)  # (shard_numel,), for this gather
 
@@ -129,9 +130,8 @@ class Unit:
         self.wait_for_unshard()  # never free memory an all-gather is still writing into
         if self.state is State.UNSHARDED:
             if self.lends_shard:
-                self.sharded_param.untyped_storage().resize_(self.sharded_param.numel() * self.sharded_param.element_size())
-                with torch.no_grad():
-                    self.sharded_param.copy_(self.bucket.shard(self.unsharded_param))
+                self.sharded_param.untyped_storage().resize_(self.shard_nbytes)
+                self.sharded_param.copy_(self.bucket.shard(self.unsharded_param))
             self.unsharded_param.untyped_storage().resize_(0)
             self.state = State.SHARDED
             self.schedule.live -= not self.is_root
@@ -141,9 +141,9 @@ class Unit:
     def _pre_forward(self, module, args):
         if not self.is_root and not self.schedule.recorded and self not in self.schedule.order:
             self.schedule.order.append(self)
-        self.unshard(async_op=True)  # in flight already if the previous unit prefetched it
+        self.unshard()  # in flight already if the previous unit prefetched it
         for unit in self.schedule.next_in_forward(self):
-            unit.unshard(async_op=True)  # issued before we wait: its all-gather runs while this unit computes
+            unit.unshard()  # issued before we wait: its all-gather runs while this unit computes
         self.wait_for_unshard()
 
     def _post_forward(self, module, args, output):
@@ -160,9 +160,9 @@ class Unit:
         return output
 
     def _pre_backward(self, grad):
-        self.unshard(async_op=True)
+        self.unshard()
         for unit in self.schedule.next_in_backward(self):
-            unit.unshard(async_op=True)
+            unit.unshard()
         self.wait_for_unshard()
 
     def post_backward(self):

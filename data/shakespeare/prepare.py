@@ -99,7 +99,7 @@ def prepare(out_dir, input_path=None):
     n = len(text)
     ids = {split: np.array(enc.encode_ordinary(chunk), dtype=np.uint16)  # GPT-2 ids < 65536 fit uint16
            for split, chunk in (('train', text[:int(n * 0.9)]), ('val', text[int(n * 0.9):]))}
-    return write_dataset(out_dir, ids, {'source': source, 'tokenizer': 'gpt2', 'vocab_size': enc.n_vocab, 'chars': n})
+    return write_dataset(out_dir, ids, {'source': source, 'tokenizer': 'gpt2', 'vocab_size': enc.n_vocab, 'text_chars': n})
 
 
 def main(prepare, doc, out_dir):
