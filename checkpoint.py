@@ -83,7 +83,7 @@ def rank_state(engine):
         parts = [pieces(engine, b) for b in engine.buckets]
     out = {}
     for name in parts[0]:
-        out[name] = torch.empty(sum(part[name].numel() for part in parts), dtype=parts[0][name].dtype)
+        out[name] = torch.empty(sum(part[name].numel() for part in parts), dtype=parts[0][name].dtype, device='cpu')
         for part, place in zip(parts, out[name].split([part[name].numel() for part in parts])):
             place.copy_(part[name].flatten())
     return out
@@ -272,7 +272,7 @@ class Shards:
             lo = bucket['shard_offset'] + g - rank * size
             out.append(self.decode(rank, population, lo, lo + stop - g))
             g = stop
-        return torch.cat(out) if out else torch.zeros(0)
+        return torch.cat(out) if out else torch.zeros(0, device='cpu')
 
 # -----------------------------------------------------------------------------
 # load into an engine, at the same layout (bit for bit) or any other
@@ -313,7 +313,7 @@ def load(engine, path, manifest, log=print):
 def rebuild(engine, b, shards):
     """This rank's shard of bucket b from another layout: each param piece it owns, read as fp32, stored anew."""
     lo = b.rank * b.shard_numel
-    values = {pop: torch.zeros(b.shard_numel) for pop in POPULATIONS}  # the pads stay 0
+    values = {pop: torch.zeros(b.shard_numel, device='cpu') for pop in POPULATIONS}  # the pads stay 0
     for p, offset in zip(b.params, b.offsets):
         a, c = max(lo - offset, 0), min(lo + b.shard_numel - offset, p.numel())
         for pop in POPULATIONS if a < c else ():
@@ -336,7 +336,7 @@ def load_stage0(engine, shards, manifest):
     for i, p in enumerate(p for group in engine.optimizer.param_groups for p in group['params']):
         read = [shards.read(names[p], pop, 0, p.numel()).view(p.shape) for pop in POPULATIONS]
         p.data.copy_(read[0])
-        state[i] = {'step': torch.tensor(float(manifest['step_count'])), 'exp_avg': read[1], 'exp_avg_sq': read[2]}
+        state[i] = {'step': torch.tensor(float(manifest['step_count']), device='cpu'), 'exp_avg': read[1], 'exp_avg_sq': read[2]}
     engine.optimizer.load_state_dict({'state': state, 'param_groups': engine.optimizer.state_dict()['param_groups']})
     if engine.scaler.is_enabled():
         engine.scaler.load_state_dict({**engine.scaler.state_dict(), 'scale': manifest['loss_scale']['scale'],

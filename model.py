@@ -119,7 +119,7 @@ class GPT(nn.Module):
         params were initialized before it, on which rank, or on which device: ZeRO-3 materializes one unit at
         a time, straight into its shard, and still starts from exactly the values of a plain GPT(config)."""
         generator = torch.Generator().manual_seed(zlib.crc32(f'{self.seed}/{name}'.encode()))
-        value = torch.zeros(tensor.shape)  # biases
+        value = torch.zeros(tensor.shape, device='cpu')  # biases; on the generator's device, not the default one
         if tensor.dim() == 1 and not name.endswith('bias'):
             value.fill_(1.0)  # LayerNorm gains
         elif tensor.dim() >= 2:  # GPT-2: N(0, 0.02); residual projections scaled by 1/sqrt(2 * n_layer)

@@ -224,12 +224,31 @@ def test_activation_formula_matches_what_autograd_saves_within_2_percent(L, C, V
 # the profiler
 
 
-def test_profile_writes_a_chrome_trace_with_our_named_ranges(tmp_path):
-    torchrun(2, f'--out_dir={tmp_path}', '--zero_stage=3', '--profile=True', '--max_iters=5', '--eval_interval=100')
-    trace = json.load(open(tmp_path / 'trace_rank0.json'))
-    names = {event.get('name', '') for event in trace['traceEvents']}
+def test_profile_traces_iterations_2_to_4_with_our_named_ranges_and_stops_after_the_fourth(tmp_path):
+    log = torchrun(2, f'--out_dir={tmp_path}', '--zero_stage=3', '--profile=True', '--max_iters=6', '--eval_interval=100')
+    trace = json.load(open(tmp_path / 'trace_rank0.json'))['traceEvents']
+    steps = sorted((e for e in trace if e.get('name', '').startswith('ProfilerStep#')), key=lambda e: e['ts'])
+    assert [e['name'] for e in steps] == ['ProfilerStep#1', 'ProfilerStep#2', 'ProfilerStep#3']  # iterations 2, 3, 4
     for prefix in ('reduce_scatter bucket ', 'wait reduce_scatter bucket ', 'all_gather unit ', 'wait all_gather unit '):
-        assert any(re.fullmatch(re.escape(prefix) + r'\d+', n) for n in names), prefix
+        for step in steps:  # every traced step is a whole training iteration
+            assert any(re.fullmatch(re.escape(prefix) + r'\d+', e.get('name', '')) and step['ts'] <= e['ts'] <= step['ts'] + step['dur']
+                       for e in trace), (prefix, step['name'])
+    lines = [line.split(':')[0] for line in log.splitlines() if line.startswith(('iter ', 'profiler trace'))]
+    # written and stopped at the end of iteration 4's step (before its log line), not a step later
+    assert lines == ['iter 1', 'iter 2', 'iter 3', 'profiler trace of iterations 2-4', 'iter 4', 'iter 5', 'iter 6'], lines
+
+
+def test_the_profiler_is_stopped_after_the_fourth_iteration(tmp_path):
+    # a torch.profiler.schedule without repeat=1 cycles wait/warmup/active to the end of the run (measured on an H100:
+    # the whole run 2.6x slower, the trace its last partial cycle)
+    profiler = train.start_profiler({'profile': True, 'out_dir': str(tmp_path)}, 0, torch.device('cpu'))
+    running = []
+    for iteration in range(1, 8):
+        torch.ones(8).sum()
+        if profiler:  # as train.py's loop
+            profiler = train.profiler_step(profiler, {'out_dir': str(tmp_path)}, log=lambda *a: None)
+        running.append(profiler is not None and torch.autograd._profiler_enabled())
+    assert running == [True, True, True, False, False, False, False] and (tmp_path / 'trace_rank0.json').exists()
 
 # -----------------------------------------------------------------------------
 # python bench.py scale

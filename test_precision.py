@@ -77,6 +77,14 @@ def test_fp16_overflow_on_one_rank_skips_that_step_everywhere_and_halves_the_sca
     assert r['losses'][-1] < r['losses'][0]
 
 
+@pytest.mark.parametrize('stage', [1, 3])
+def test_fp16_loss_scale_doubles_after_growth_interval_clean_steps_and_counts_again_after_an_overflow(stage):
+    r = run_ranks(2, [dict(kind=f'zero{stage}', param_dtype=torch.float16, accum=2, steps=6, inf_at=3, growth_interval=2)])[0]
+    assert not isinstance(r, Exception), r
+    # clean, clean (x2), clean, inf (/2, the count restarts), clean, clean (x2)
+    assert r['scales'] == [2.0**16, 2.0**17, 2.0**17, 2.0**16, 2.0**16, 2.0**17]
+
+
 def test_fp16_loss_scaling_matches_bf16_free_training_within_fp16_noise():
     # the scale is applied before backward and removed exactly in the fused step: the run follows fp32's
     fp32, fp16 = run_ranks(2, [dict(kind='zero2', accum=4, steps=5, **extra) for extra in ({}, {'param_dtype': torch.float16})])

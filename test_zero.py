@@ -125,18 +125,21 @@ def full_params(engine, model):
 
 def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume_at=None, model_kw=None,
             frozen_and_unused=False, mismatch=False, meta=False, compile=False, trace=False, inf_at=None, init_value=None,
-            **zero_kw):
+            growth_interval=None, **zero_kw):
     """Train TINY for `steps` steps; accum is the global number of micro-batches per step. Returns
     dict(losses, norms, params, engine info) as seen by this rank. resume_at: save a checkpoint there and
     continue from it in a new model and engine (meta=True: built on the meta device, as train.py does).
     compile: torch.compile each block (stage 3); trace: record the last step's all-gather events (stage 3);
     inf_at: at that step rank world_size - 1 gets an inf grad, and every rank checks the step was skipped;
-    init_value: every param starts at it (stages 1/2 return the distinct values of the compute params then)."""
+    init_value: every param starts at it (stages 1/2 return the distinct values of the compute params then);
+    growth_interval: fp16's loss scale doubles after this many clean steps (2000 in train.py)."""
     model = tiny_model(rank, model_kw, frozen_and_unused, mismatch, meta)
     if init_value is not None:
         for p in model.parameters():
             torch.nn.init.constant_(p, init_value)
     engine = make_engine(kind, model, grad_clip, **zero_kw)
+    if growth_interval:
+        engine.scaler.growth_interval = growth_interval
     init_values = engine.flat_param.float().unique().tolist() if init_value is not None else None
     if compile:
         for block in model.transformer.h:
@@ -387,6 +390,18 @@ def test_meta_device_init_equals_a_plain_model_bit_for_bit():
             assert got.keys() == plain.keys()
             for name in plain:
                 assert torch.equal(got[name], plain[name]), name
+
+
+def test_init_param_fills_a_tensor_on_its_own_device_whatever_the_default_device():
+    """On a GPU, train.py builds stage 0 under `with torch.device('cuda')`: an init that followed the default device
+    drew on a CUDA tensor with a CPU generator and crashed. Here: a CPU tensor under the meta default device."""
+    plain = {n: p.detach() for n, p in tiny_model(0).named_parameters()}
+    with torch.device('meta'):
+        model = GPT(GPTConfig(**TINY))
+        for name, value in plain.items():
+            got = torch.empty(value.shape, device='cpu')
+            model.init_param(name, got)
+            assert got.device.type == 'cpu' and torch.equal(got, value), name
 
 
 @pytest.mark.parametrize('kind', ['ddp', 'zero1', 'zero2', 'zero3'])

@@ -379,7 +379,7 @@ def main(cfg):
         iter_num += 1
         checkpoint.fault_point('step', iter_num)
         if profiler:
-            profiler.step()
+            profiler = profiler_step(profiler, cfg, log)
         if iter_num % cfg['log_interval'] == 0:
             dist.all_reduce(loss)  # every rank: the mean over all ranks' micro-batches, whatever the world size
             loss /= world_size
@@ -395,9 +395,8 @@ def main(cfg):
                   + f", sent {sent}")
         if device.type == 'cuda' and iter_num in (1, cfg['max_iters']):
             log(f"cuda max_memory_allocated after iteration {iter_num}: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
-    if profiler:
+    if profiler:  # a run of fewer than 4 iterations
         profiler.stop()
-        log(f"profiler trace: {cfg['out_dir']}/trace_rank{{r}}.json (open in https://ui.perfetto.dev or chrome://tracing)")
     dist.barrier()  # every rank done (and no async work left) before the process group goes
     dist.destroy_process_group()
 
@@ -413,17 +412,30 @@ def announce_kernel_build(impl, device, log):
 
 
 def start_profiler(cfg, rank, device):
-    """profile=True: a torch.profiler trace of iterations 2-4 (after 1 skipped and 1 warm-up), with zero.py's
-    named ranges (reduce_scatter bucket i, all_gather unit i, and the waits on them) to see the overlap."""
+    """profile=True: a torch.profiler trace of this run's iterations 2-4 (iteration 1 warms the profiler up), with
+    zero.py's named ranges (reduce_scatter bucket i, all_gather unit i, and the waits on them) to see the overlap."""
     if not cfg['profile']:
         return None
     os.makedirs(cfg['out_dir'], exist_ok=True)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == 'cuda' else [])
     path = os.path.join(cfg['out_dir'], f'trace_rank{rank}.json')
-    profiler = torch.profiler.profile(activities=activities, schedule=torch.profiler.schedule(wait=1, warmup=1, active=3),
-                                      on_trace_ready=lambda p: p.export_chrome_trace(path))
+    # repeat=1: one wait/warmup/active cycle; without it the schedule cycles until the end of the run
+    profiler = torch.profiler.profile(activities=activities, on_trace_ready=lambda p: p.export_chrome_trace(path),
+                                      schedule=torch.profiler.schedule(wait=0, warmup=1, active=3, repeat=1))
     profiler.start()
     return profiler
+
+
+def profiler_step(profiler, cfg, log):
+    """After each iteration. The trace's ProfilerStep#1-#3 are iterations 2-4; after the 4th the trace is written and
+    the profiler stopped (None is returned), so nothing profiles or slows the rest of the run."""
+    profiler.step()
+    if profiler.step_num < 4:
+        return profiler
+    profiler.stop()
+    log(f"profiler trace of iterations 2-4: {cfg['out_dir']}/trace_rank{{r}}.json (open in https://ui.perfetto.dev "
+        "or chrome://tracing)")
+    return None
 
 
 if __name__ == '__main__':
