@@ -383,8 +383,8 @@ def dataset_meta(dataset):
 
 
 def consolidate(path, out_file, dtype=torch.float32):
-    """One file with everything sample.py needs, the tokenizer included, so it samples on a machine without
-    the dataset. Written to a temporary name and renamed: never a half-written model.pt."""
+    """One file with everything sample.py needs, the tokenizer's meta included (GPT-2's BPE files are read from
+    data/<dataset>/ or data/.cache/). Written to a temporary name and renamed: never a half-written model.pt."""
     state, manifest = full_state_dict(path, dtype)
     info = {k: manifest[k] for k in ('model_args', 'iter_num', 'best_val_loss', 'config', 'stage', 'world_size')}
     torch.save({'model': state, 'meta': dataset_meta(manifest['config']['dataset']), **info}, out_file + '.tmp')

