@@ -1,0 +1,239 @@
+"""
+The GPU path as tests: what only a GPU can show (CUDA default devices, NCCL, the CUDA kernel, torch.compile on
+CUDA, the profiler's CUDA kernels, max_memory_allocated). It runs by itself where CUDA is present and is skipped,
+with one line saying why, where it is not; the CPU suite (every other test_*.py) never picks the GPU.
+
+    python -m pytest -q test_gpu.py          # one GPU: NCCL at world 1, the runs in parallel, a few minutes
+
+A GPU machine without internet needs the git-ignored data carried over: data/shakespeare*/ train.bin, val.bin,
+meta.json, and data/shakespeare/vocab.bpe, encoder.json (GPT-2's BPE, written there by prepare.py).
+
+Every train.py run is a real process (python train.py ... --device=cuda: world 1 on NCCL), started together at
+the first test that needs one (each with its own port and 2 CPU threads) and asserted on by the tests below:
+the loss finite and falling, the log lines, the files written. NANOZERO_GPU_TESTS_ON_CPU=1 runs the same
+harness on the CPU (gloo, fp32, small models: the assertions that need CUDA are left out) to check the
+harness itself on a machine without a GPU; that is not a GPU test.
+"""
+import functools
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+ON_CPU = os.environ.get('NANOZERO_GPU_TESTS_ON_CPU') == '1'
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and not ON_CPU,
+                                reason="test_gpu.py needs CUDA (no GPU here); the CPU suite is the other test_*.py")
+GPU = not ON_CPU
+DEVICE = ['--device=cuda', '--dtype=bfloat16'] if GPU else ['--device=cpu', '--dtype=float32']
+ROOT = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(ROOT, 'out-test-gpu')  # git-ignored (out*/)
+FEW = ['--max_iters=6', '--eval_interval=1000', '--eval_iters=2', '--log_interval=1', '--warmup_iters=0',
+       '--decay_lr=False', '--gradient_accumulation_steps=2']
+TINY = ['--n_layer=2', '--n_head=2', '--n_embd=64', '--block_size=64', '--batch_size=4']
+CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, 'config')) if f.endswith('.py'))
+# the configs' own models (GPT-2 124M for gpt2_124m and zero*), a smaller batch; on the CPU, tiny models
+SMALLER = ['--batch_size=4'] if GPU else TINY + ['--block_size=32']
+PRECISION = {  # every key of what the optimizer stores, each at a stage (the CUDA kernel's 42 instances are in test_kernels)
+    'remainder': (1, ['--master_weights=remainder']),
+    'int8 state': (2, ['--state_dtype=int8']),
+    'bf16 state': (3, ['--state_dtype=bfloat16']),
+    'remainder + int8': (3, ['--master_weights=remainder', '--state_dtype=int8']),
+    'none + stochastic rounding': (2, ['--master_weights=none', '--stochastic_rounding=True']),
+    'fp16 + loss scaling': (3, ['--dtype=float16'] if GPU else []),
+}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def run(name, *args, script='train.py', config='config/shakespeare_char.py', torchrun=False, timeout=420):
+    """One process, world 1 (python train.py sets up a 1-rank process group itself); (returncode, stdout + stderr)."""
+    env = {**os.environ, 'OMP_NUM_THREADS': '2', 'PYTHONUNBUFFERED': '1'}
+    if torchrun:
+        cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=1', script, *args]
+    else:
+        env.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()))
+        cmd = [sys.executable, script, *([config] if config else []), *args]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    except subprocess.TimeoutExpired as e:
+        return -1, f"{name}: timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+    return out.returncode, out.stdout + out.stderr
+
+
+def train(name, *args, config='config/shakespeare_char.py'):
+    return run(name, f'--out_dir={OUT}/{name}', *DEVICE, *FEW, *args, config=config)
+
+
+def resume_chain():
+    """Stage 3 saves; the run resumes at stage 2; the checkpoint is consolidated and sampled on the GPU."""
+    common = [*TINY, '--always_save_checkpoint=True', '--eval_interval=3']
+    first = train('save', *common, '--zero_stage=3', '--max_iters=3')
+    second = train('save', *common, '--zero_stage=2', '--max_iters=6', '--init_from=resume')
+    model = f'{OUT}/save/model.pt'
+    consolidated = run('consolidate', 'consolidate', f'{OUT}/save', '-o', model, script='checkpoint.py', config=None)
+    sampled = run('sample', f'--ckpt={model}', '--start=ROMEO:', '--num_samples=1', '--max_new_tokens=50',
+                  f"--device={'cuda' if GPU else 'cpu'}", script='sample.py', config=None)
+    return first, second, consolidated, sampled
+
+
+def jobs():
+    """name -> a function returning what the test of that name asserts on."""
+    out = {f'config {c}': functools.partial(train, f'config-{c[:-3]}', *SMALLER, config=f'config/{c}') for c in CONFIGS}
+    out.update({f'stage {s}': functools.partial(train, f'stage{s}', *TINY, f'--zero_stage={s}') for s in range(4)})
+    out['auto'] = functools.partial(train, 'auto', *TINY, '--zero_stage=auto', *([] if GPU else ['--memory_gb=8']))
+    out.update({f'compile stage {s}': functools.partial(train, f'compile{s}', *TINY, f'--zero_stage={s}', '--compile=True')
+                for s in (0, 2, 3)})
+    out.update({f'precision {k}': functools.partial(train, f'precision-{i}', *TINY, f'--zero_stage={s}', *args)
+                for i, (k, (s, args)) in enumerate(PRECISION.items())})
+    out['profile'] = functools.partial(train, 'profile', *TINY, '--zero_stage=3', '--profile=True')
+    out['resume chain'] = resume_chain
+    out['bench kernels'] = functools.partial(run, 'bench kernels', 'kernels', '--modes', '--sizes=1M',
+                                             f"--device={'cuda' if GPU else 'cpu'}", script='bench.py', config=None)
+    bench_set = [f'--set={kv}' for kv in ('n_layer=2', 'n_head=2', 'n_embd=64', 'block_size=64', 'batch_size=2')]
+    out['bench zero'] = functools.partial(run, 'bench zero', 'bench.py', 'zero', '--rounds=1', *bench_set, *(
+        ['--set=device=cuda', '--set=dtype=bfloat16'] if GPU else []), script='bench.py', torchrun=True)
+    out['bench scale'] = functools.partial(run, 'bench scale', 'scale', '--quick', '--world=8', *bench_set, *(
+        ['--set=device=cuda'] if GPU else []), script='bench.py', config=None)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def results():
+    """Every job at once (the GPU has room for all of them; each process takes 2 CPU threads)."""
+    todo = jobs()
+    with ThreadPoolExecutor(max_workers=8 if GPU else 2) as pool:
+        futures = {name: pool.submit(job) for name, job in todo.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def ok(name):
+    code, log = results()[name]
+    assert code == 0, f"{name}: exit code {code}\n{log[-4000:]}"
+    return log
+
+
+def losses(log):
+    return [float(x) for x in re.findall(r'^iter \d+: loss ([\d.eE+-]+|nan|inf)', log, re.M)]
+
+
+def assert_trains(log, stage=None, iters=6):
+    """The loss of every iteration finite and the last below the first; on a GPU, NCCL, the CUDA kernel and the
+    memory figure in the log."""
+    got = losses(log)
+    assert len(got) == iters and all(math.isfinite(x) for x in got) and got[-1] < got[0], got
+    assert re.search(r'step \d+: train loss [\d.]+, val loss [\d.]+', log)
+    if GPU:
+        assert 'world size 1 (nccl), device cuda:0' in log
+        assert re.search(r'cuda max_memory_allocated after iteration 1: [\d.]+ GiB', log)
+        if stage:
+            assert 'kernels.adamw_step, impl=cuda' in log
+    if stage is not None:
+        assert f'zero_stage={stage}' in log or stage == 0
+
+# -----------------------------------------------------------------------------
+# train.py: every config, every stage, auto, compile, every precision key
+
+
+@pytest.mark.parametrize('config', CONFIGS)
+def test_every_config_trains(config):
+    log = ok(f'config {config}')
+    assert_trains(log)
+
+
+@pytest.mark.parametrize('stage', [0, 1, 2, 3])
+def test_every_stage_trains(stage):
+    log = ok(f'stage {stage}')
+    assert_trains(log, stage)
+    if stage == 0:
+        assert 'optimizer: torch AdamW' in log
+
+
+def test_zero_stage_auto_picks_a_stage_and_trains():
+    log = ok('auto')
+    picked = re.search(r'zero_stage=auto: .* -> stage (\d), the lowest that fits', log)
+    assert picked, log[-3000:]
+    assert_trains(log, int(picked.group(1)))
+
+
+@pytest.mark.parametrize('stage', [0, 2, 3])
+def test_compiled_stage_trains(stage):
+    log = ok(f'compile stage {stage}')
+    assert 'compiling with torch.compile' in log
+    assert_trains(log, stage)
+
+
+@pytest.mark.parametrize('key', list(PRECISION))
+def test_every_precision_key_trains(key):
+    stage, args = PRECISION[key]
+    log = ok(f'precision {key}')
+    assert_trains(log, stage)
+    stored = {'remainder': 'master      int16', 'int8 state': 'exp_avg     uint8', 'bf16 state': 'exp_avg     bfloat16',
+              'remainder + int8': 'master      int16', 'none + stochastic rounding': 'exp_avg     float32'}
+    if key in stored:
+        assert stored[key] in log, log[:3000]
+    if key.startswith('fp16') and GPU:
+        assert re.search(r', loss scale \d+', log)
+
+# -----------------------------------------------------------------------------
+# the profiler, checkpoints, sampling
+
+
+def test_profile_traces_cuda_kernels_of_iterations_2_to_4_and_stops():
+    log = ok('profile')
+    assert_trains(log, 3)
+    events = json.load(open(f'{OUT}/profile/trace_rank0.json'))['traceEvents']
+    steps = sorted((e for e in events if e.get('name', '').startswith('ProfilerStep#')), key=lambda e: e['ts'])
+    assert [e['name'] for e in steps] == ['ProfilerStep#1', 'ProfilerStep#2', 'ProfilerStep#3']
+    assert any(e.get('name', '').startswith('all_gather unit ') for e in events)
+    if GPU:  # kernels run on the GPU's timeline after their launch: from the first traced step on
+        kernels = [e for e in events if e.get('cat') == 'kernel']
+        assert len(kernels) > 100 and all(e['ts'] >= steps[0]['ts'] for e in kernels)
+    lines = [line.split(':')[0] for line in log.splitlines() if line.startswith(('iter ', 'profiler trace'))]
+    assert lines.index('profiler trace of iterations 2-4') == 3  # right after iteration 4's step
+
+
+def test_a_stage_3_checkpoint_resumes_at_stage_2_consolidates_and_samples():
+    first, second, consolidated, sampled = results()['resume chain']
+    for code, log in (first, second, consolidated, sampled):
+        assert code == 0, log[-4000:]
+    assert 'saving checkpoint' in first[1] and re.search(r'resuming from \S+ckpt-00000003', second[1])
+    assert losses(second[1]) and 'iter 1:' not in second[1] and all(math.isfinite(x) for x in losses(second[1]))
+    assert 'iteration 6' in consolidated[1] and os.path.getsize(f'{OUT}/save/model.pt') > 0
+    header, text = sampled[1].split('\n', 1)
+    assert 'zero_stage=2 on 1 rank(s)' in header and text.startswith('ROMEO:') and len(text) > 40
+
+# -----------------------------------------------------------------------------
+# the benchmarks, quick forms: they run and print their figures
+
+
+def test_bench_kernels_modes_prints_every_mode():
+    log = ok('bench kernels')
+    assert ('impl cuda' in log) == GPU
+    rows = [line for line in log.splitlines() if re.match(r'\s*1,048,576 ', line)]
+    assert len(rows) >= 10 and all(all(math.isfinite(float(x)) for x in re.findall(r'\s(\d+\.\d+)', r)) for r in rows), log
+
+
+def test_bench_zero_times_every_kind():
+    log = ok('bench zero')
+    rows = [line.split('|')[1].strip() for line in log.splitlines() if line.startswith('| ') and 'kind' not in line]
+    assert {'ddp', 'zero1', 'zero2', 'zero3', 'fsdp2'} <= set(rows), log[-3000:]
+
+
+def test_bench_scale_counts_what_the_estimator_says():
+    log = ok('bench scale')
+    table = {c[0]: c[1:] for c in ([x.strip() for x in line.strip('|').split('|')] for line in log.splitlines()
+                                   if line.startswith('| zero') or line.startswith('| fsdp2'))}
+    assert {'zero1', 'zero2', 'zero3', 'fsdp2'} <= set(table), log[-3000:]
+    for kind in ('zero1', 'zero2', 'zero3'):
+        assert 0.95 <= float(table[kind][2]) <= 1.05, (kind, table[kind])  # measured / estimated model states
