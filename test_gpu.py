@@ -66,9 +66,14 @@ def run(name, *args, script='train.py', config='config/shakespeare_char.py', tor
         cmd = [sys.executable, script, *([config] if config else []), *args]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+        code, log = out.returncode, out.stdout + out.stderr
     except subprocess.TimeoutExpired as e:
-        return -1, f"{name}: timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
-    return out.returncode, out.stdout + out.stderr
+        text = [t.decode(errors='replace') if isinstance(t, bytes) else t or '' for t in (e.stdout, e.stderr)]
+        code, log = -1, f"{name}: timed out after {timeout} s\n" + ''.join(text)
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, name.replace(' ', '-') + '.log'), 'w') as f:  # to read after a failure
+        f.write(' '.join(cmd) + '\n' + log)
+    return code, log
 
 
 def train(name, *args, config='config/shakespeare_char.py'):
@@ -94,14 +99,15 @@ def jobs():
     out['auto'] = functools.partial(train, 'auto', *TINY, '--zero_stage=auto', *([] if GPU else ['--memory_gb=8']))
     out.update({f'compile stage {s}': functools.partial(train, f'compile{s}', *TINY, f'--zero_stage={s}', '--compile=True')
                 for s in (0, 2, 3)})
-    out.update({f'precision {k}': functools.partial(train, f'precision-{i}', *TINY, f'--zero_stage={s}', *args)
+    out.update({f'precision {k}': functools.partial(train, f'precision-{i}', *TINY, f'--zero_stage={s}',
+                                                    *([] if GPU else ['--dtype=bfloat16']), *args)
                 for i, (k, (s, args)) in enumerate(PRECISION.items())})
     out['profile'] = functools.partial(train, 'profile', *TINY, '--zero_stage=3', '--profile=True')
     out['resume chain'] = resume_chain
     out['bench kernels'] = functools.partial(run, 'bench kernels', 'kernels', '--modes', '--sizes=1M',
                                              f"--device={'cuda' if GPU else 'cpu'}", script='bench.py', config=None)
     bench_set = [f'--set={kv}' for kv in ('n_layer=2', 'n_head=2', 'n_embd=64', 'block_size=64', 'batch_size=2')]
-    out['bench zero'] = functools.partial(run, 'bench zero', 'bench.py', 'zero', '--rounds=1', *bench_set, *(
+    out['bench zero'] = functools.partial(run, 'bench zero', 'zero', '--rounds=1', *bench_set, *(
         ['--set=device=cuda', '--set=dtype=bfloat16'] if GPU else []), script='bench.py', torchrun=True)
     out['bench scale'] = functools.partial(run, 'bench scale', 'scale', '--quick', '--world=8', *bench_set, *(
         ['--set=device=cuda'] if GPU else []), script='bench.py', config=None)
