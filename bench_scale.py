@@ -101,12 +101,15 @@ def measure(kind, cfg, world_size, quick):
     train.prepare_data(cfg, rank=0)
     data = train.load_split(train.data_dir(cfg), 'train')
     args = train.model_args(cfg, train.vocab_size(cfg))
+    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
     runtime = torch.cuda.memory_allocated(device) if device.type == 'cuda' else proc_status_bytes('VmRSS')
+    t_build = time.perf_counter()  # build time: from model construction to the first step (initial values included)
     _, engine = build_fsdp2(cfg, device, args, world_size) if kind == 'fsdp2' else train.build(cfg, device, args)
+    sync()
+    build_s = time.perf_counter() - t_build
     zcfg = train.zero_config(cfg)  # fsdp2 runs with zero_stage=3: it holds what our stage 3 holds, 16Ψ/N
     estimate = memory.model_states(zcfg.stage, engine.psi, world_size, zcfg)
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
-    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
 
     # warm-up: optimizer state allocated (FSDP2's lazily), stage 3's forward order recorded; our transient
     # buffers metered (bucket grad buffers, unsharded units), the hooks removed before timing
@@ -133,7 +136,7 @@ def measure(kind, cfg, world_size, quick):
                 pads=engine.flat_numel - engine.psi if bench_zero.ours(engine) else None,
                 transient=transient[0] if handles else None, after_step=states_after_step(engine),
                 runtime=runtime, steps_peak=steps_peak, process_peak=max(build_peak, steps_peak),
-                step_ms=1e3 * sorted(times)[len(times) // 2], threads=torch.get_num_threads())
+                step_ms=1e3 * sorted(times)[len(times) // 2], build_s=build_s, threads=torch.get_num_threads())
 
 # -----------------------------------------------------------------------------
 # the table, from one subprocess per kind
@@ -174,6 +177,8 @@ NOTES = """\
   every grad and every unit's forward (a moment between two samples is missed: the root's grad buffer while the root
   is still unsharded). Not counted: autograd's .grad before it is copied into a bucket. pads: elements of padding in
   the flat layout, the whole of measured/estimated - 1 for ours (fsdp2 pads each param's dim 0 to a multiple of N).
+- build: wall time from the model's construction (on the meta device) to the first step: initial values drawn,
+  shards and optimizer state allocated (fsdp2: its to_empty and our init_param on its local shards).
 - step: median wall time of the timed steps; collectives cost nothing here (fake process group)."""
 
 
@@ -195,16 +200,16 @@ def bench_scale(args):
           f" x {cfg['block_size']} tokens per rank" + (f"; skipped {', '.join(skipped)}: torch DDP cannot run under the "
                                                        f"fake process group" if skipped else ''))
     print("\n| kind | model states MB: estimated | measured | measured/estimated | B/param | after step MB "
-          "| peak MB during steps | process peak MB | runtime MB | step ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| peak MB during steps | process peak MB | runtime MB | build s | step ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         if 'failed' in r:
-            print(f"| {r['kind']} | did not run: {r['failed']} |" + " |" * 8)
+            print(f"| {r['kind']} | did not run: {r['failed']} |" + " |" * 9)
             continue
         measured = sum(r['populations'].values())
         print(f"| {r['kind']} | {r['estimate'] / MB:.2f} | {measured / MB:.2f} | {measured / r['estimate']:.4f} | "
               f"{measured / r['psi']:.3f} | {r['after_step'] / MB:.2f} | {r['steps_peak'] / MB:.0f} | "
-              f"{r['process_peak'] / MB:.0f} | {r['runtime'] / MB:.0f} | {r['step_ms']:.0f} |")
+              f"{r['process_peak'] / MB:.0f} | {r['runtime'] / MB:.0f} | {r['build_s']:.1f} | {r['step_ms']:.0f} |")
     print("\nrank 0, MB: measured model states by population; our transient peak; pads")
     for r in done:
         line = ', '.join(f"{name} {b / MB:.2f}" for name, b in r['populations'].items())

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import checkpoint
 import fsdp_lite
@@ -387,6 +388,38 @@ def test_meta_device_init_equals_a_plain_model_bit_for_bit():
             assert got.keys() == plain.keys()
             for name in plain:
                 assert torch.equal(got[name], plain[name]), name
+
+
+@pytest.mark.parametrize('stage', [1, 3])
+def test_each_rank_draws_only_its_shard_and_rank_0_of_8_and_of_64_hold_the_same_values(stage):
+    """model.py [Note: counter-based init]: rank r of N (torch's fake process group: rank 0 of 64 alone) draws only the
+    elements of its shard, and they are those of a plain GPT(config) at the same positions, whatever N and r."""
+    plain = tiny_model(0)
+    for world_size, rank in ((8, 0), (64, 0), (8, 5), (64, 37)):
+        dist.init_process_group('fake', rank=rank, world_size=world_size, store=FakeStore())
+        try:
+            model, drawn = tiny_model(rank, meta=True), []
+            init_param = model.init_param
+            model.init_param = lambda name, tensor, start=0: (drawn.append(tensor.numel()), init_param(name, tensor, start))
+            engine = make_engine(f'zero{stage}', model, 1.0)
+            assert 0 < sum(drawn) <= engine.shard_numel  # never more than its shard of any bucket
+            for b in engine.buckets:
+                flat = torch.zeros(b.padded_numel)
+                for p, view in b.views(flat):
+                    view.copy_(plain.get_parameter(engine.names[p]).detach())
+                assert torch.equal(engine.master_values(b), b.shard(flat)), (world_size, rank, b.index)
+        finally:
+            dist.destroy_process_group()
+
+
+def test_init_param_fills_any_slice_on_the_tensors_device_whatever_the_default_device():
+    plain = tiny_model(0)
+    for name, p in plain.named_parameters():
+        for default in ('cpu', 'meta'):
+            with torch.device(default):
+                piece = torch.empty(p.numel() - 3, device='cpu')
+                plain.init_param(name, piece, start=3)
+            assert torch.equal(piece, p.detach().reshape(-1)[3:]), (name, default)
 
 
 @pytest.mark.parametrize('kind', ['ddp', 'zero1', 'zero2', 'zero3'])
