@@ -126,12 +126,12 @@ def full_params(engine, model):
 
 def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume_at=None, model_kw=None,
             frozen_and_unused=False, mismatch=False, meta=False, compile=False, trace=False, inf_at=None, init_value=None,
-            **zero_kw):
+            checkpointing=False, **zero_kw):
     """Train TINY for `steps` steps; accum is the global number of micro-batches per step. Returns
     dict(losses, norms, params, engine info) as seen by this rank. resume_at: save a checkpoint there and
     continue from it in a new model and engine (meta=True: built on the meta device, as train.py does).
     compile: torch.compile each block (stage 3); trace: record the last step's all-gather events (stage 3);
-    inf_at: at that step rank world_size - 1 gets an inf grad, and every rank checks the step was skipped;
+    checkpointing: activation checkpointing of every block; inf_at: at that step rank world_size - 1 gets an inf grad, and every rank checks the step was skipped;
     init_value: every param starts at it (stages 1/2 return the distinct values of the compute params then)."""
     model = tiny_model(rank, model_kw, frozen_and_unused, mismatch, meta)
     if init_value is not None:
@@ -142,6 +142,8 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
     if compile:
         for block in model.transformer.h:
             block.forward = torch.compile(block.forward)
+    if checkpointing:  # as train.build: around the compiled blocks
+        fsdp_lite.checkpoint_activations(model.transformer.h)
     events = record_unit_events(engine) if trace else None
     resident, twice = [], []  # zero3, sampled as each block's forward starts: block units holding unsharded
     if kind == 'zero3':       # storage; units, the root included, holding their shard both gathered and sharded
@@ -376,6 +378,27 @@ def test_zero3_compiled_blocks_equal_eager_and_do_not_recompile():
     eager, compiled = run_ranks(2, [dict(kind='zero3', accum=4, compile=c) for c in (False, True)])
     assert_same_run(compiled, eager, rtol=1e-4, atol=1e-6)
     assert compiled['graphs_after_first_step'] == compiled['graphs'] == 1  # one graph serves every block and step
+
+
+def test_activation_checkpointing_changes_no_number_and_no_collective_at_stages_0_to_3():
+    """fsdp_lite [Note: activation checkpointing]: the recomputed forward reads the same params (stage 3: gathered by the
+    pre-backward hook before the recomputation), so losses, grad norms and params are bit-identical, and stage 3 sends
+    exactly what it sends without recomputation (no second gather, no early reshard); also with prefetch 0 and 2."""
+    jobs = [dict(kind=k, accum=4, checkpointing=c) for k in ('ddp', 'zero1', 'zero2', 'zero3') for c in (False, True)]
+    jobs += [dict(kind='zero3', accum=4, prefetch=d, checkpointing=True) for d in (0, 2)]
+    *pairs, prefetch0, prefetch2 = run_ranks(2, jobs)
+    for plain, ckpt in zip(pairs[::2], pairs[1::2]):
+        assert not isinstance(ckpt, Exception), ckpt
+        assert_same_run(ckpt, plain, rtol=0, atol=0)
+        assert ckpt.get('comm') == plain.get('comm')
+    for other in (prefetch0, prefetch2):
+        assert_same_run(other, pairs[-1], rtol=0, atol=0)
+    assert prefetch0['peak_resident'] <= 1 and prefetch2['peak_resident'] <= 3
+
+
+def test_activation_checkpointing_with_compiled_blocks_equals_eager():
+    eager, compiled = run_ranks(2, [dict(kind='zero3', accum=4), dict(kind='zero3', accum=4, compile=True, checkpointing=True)])
+    assert_same_run(compiled, eager, rtol=1e-4, atol=1e-6)
 
 
 def test_meta_device_init_equals_a_plain_model_bit_for_bit():

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import fsdp_lite
 import kernels
 import memory
 from model import GPT, GPTConfig, peak_flops
@@ -73,6 +74,7 @@ bucket_mb = 25.0  # stage 1/2 grad bucket size
 reduce_dtype = 'float32'  # grads are reduced in this dtype ('float32' or 'bfloat16')
 prefetch = 1  # stage 3: all-gathers in flight ahead of compute (0 = off)
 reshard_after_forward = True  # stage 3: free each block's params after its forward (False: 2Ψ traffic, more memory)
+activation_checkpointing = False  # keep only each block's input, recompute its forward in backward (fsdp_lite)
 optimizer_impl = 'auto'  # fused AdamW kernel: 'auto', 'reference', 'cpu', 'cuda'
 # what ZeRO's optimizer stores (kernels.Precision; stages 1-3)
 master_weights = 'fp32'  # 'fp32', 'remainder' (bf16 param + 16 bits: exact, 2 B/param), 'none' (bf16 params only)
@@ -322,6 +324,8 @@ def build(cfg, device, args):
             block.forward = torch.compile(block.forward)
     elif cfg['compile']:
         engine.module = torch.compile(engine.module)
+    if cfg['activation_checkpointing']:  # around the compiled blocks (stage 3), inside the compiled model (0-2)
+        fsdp_lite.checkpoint_activations(model.transformer.h)
     return model, engine
 
 
