@@ -298,17 +298,25 @@ def zero_config(cfg):
 
 
 def choose_stage(cfg, device, world_size, args):
-    """zero_stage='auto': the lowest stage whose model states + transients + activations fit (memory.py)."""
+    """zero_stage='auto': the lowest stage whose model states + transients + activations fit (memory.py), and whether
+    activation checkpointing is what makes it fit."""
     with torch.device('meta'):
         model = GPT(GPTConfig(**args))
     zcfg = zero_config({**cfg, 'zero_stage': 1})
     psi = sum(p.numel() for p in model.parameters())
-    activations = memory.activation_bytes(args['n_layer'], args['n_embd'], args['vocab_size'],
-                                          cfg['batch_size'] * cfg['block_size'], zcfg.param_dtype.itemsize)
-    estimates = memory.stage_estimates(psi, world_size, zcfg, activations, *memory.unit_sizes(model, model.transformer.h))
-    stage, line = memory.pick_stage(estimates, memory.device_memory_bytes(device, cfg['memory_gb']))
+    limit = memory.device_memory_bytes(device, cfg['memory_gb'])
+
+    def pick(checkpointing):
+        activations = memory.activation_bytes(args['n_layer'], args['n_embd'], args['vocab_size'],
+                                              cfg['batch_size'] * cfg['block_size'], zcfg.param_dtype.itemsize, checkpointing)
+        return memory.pick_stage(memory.stage_estimates(psi, world_size, zcfg, activations,
+                                                        *memory.unit_sizes(model, model.transformer.h)), limit)
+    (stage, line), (other, _) = pick(cfg['activation_checkpointing']), pick(not cfg['activation_checkpointing'])
+    if cfg['activation_checkpointing'] and stage is not None and (other is None or other > stage):
+        line += f"; activation_checkpointing=True is what makes stage {stage} fit (without it: {other or 'none'})"
     if stage is None:
-        raise ValueError(f"{line}: use more ranks, a smaller batch_size or block_size, or set memory_gb")
+        hint = f"activation_checkpointing=True (then stage {other} fits), " if other is not None else ''
+        raise ValueError(f"{line}: use {hint}more ranks, a smaller batch_size or block_size, or set memory_gb")
     return stage, line
 
 
