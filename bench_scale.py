@@ -94,7 +94,7 @@ def states_after_step(engine):
     return pops['params'] + pops['optimizer state'] + sum(bench_zero.nbytes(p.grad) for p in engine.params if p.grad is not None)
 
 
-def measure(kind, cfg, world_size, quick):
+def measure(kind, cfg, world_size, quick, build_only=False):
     """Build one kind as rank 0 of world_size, warm up 2 steps and time 3 (quick: 1 and 1); return what was measured."""
     device = torch.device(cfg['device'])
     if device.type == 'cuda':
@@ -122,7 +122,7 @@ def measure(kind, cfg, world_size, quick):
     # buffers metered (bucket grad buffers, unsharded units), the hooks removed before timing
     transient = [0]
     handles = bench_zero.meter_transient(engine, transient) if bench_zero.ours(engine) else []
-    warmup = 1 if quick else 2  # one is enough to allocate everything and record stage 3's order
+    warmup = 0 if build_only else 1 if quick else 2  # one is enough to allocate everything and record stage 3's order
     for it in range(warmup):
         train.train_step(engine, train.train_batches(data, it, cfg, 0, world_size, device), cfg['learning_rate'], autocast)
     for h in handles:
@@ -131,7 +131,7 @@ def measure(kind, cfg, world_size, quick):
     build_peak = peak_bytes(device)
     reset_peak(device)
     times = []
-    for it in range(warmup, warmup + (1 if quick else 3)):
+    for it in range(warmup, warmup + (0 if build_only else 1 if quick else 3)):
         batches = train.train_batches(data, it, cfg, 0, world_size, device)
         t0 = time.perf_counter()
         train.train_step(engine, batches, cfg['learning_rate'], autocast)
@@ -144,7 +144,7 @@ def measure(kind, cfg, world_size, quick):
                 pads=engine.flat_numel - engine.psi if bench_zero.ours(engine) else None,
                 transient=transient[0] if handles else None, after_step=states_after_step(engine),
                 runtime=runtime, steps_peak=steps_peak, process_peak=max(build_peak, steps_peak),
-                step_ms=1e3 * sorted(times)[len(times) // 2], build_s=build_s, peak_estimate=peak_estimate, threads=torch.get_num_threads())
+                step_ms=1e3 * sorted(times)[len(times) // 2] if times else None, build_s=build_s, peak_estimate=peak_estimate, threads=torch.get_num_threads())
 
 # -----------------------------------------------------------------------------
 # the table, from one subprocess per kind
@@ -162,7 +162,7 @@ def run_kind(kind, args):
     """One kind in a fresh process. MALLOC_MMAP_THRESHOLD_: glibc then serves every buffer over 64 KiB with
     its own mmap and unmaps it when freed, so the RSS falls when tensors die and its peak is a real peak."""
     cmd = [sys.executable, os.path.abspath(__file__), kind, f'--world={args.world}', f'--config={args.config}']
-    cmd += [f'--set={kv}' for kv in args.set] + (['--quick'] if args.quick else [])
+    cmd += [f'--set={kv}' for kv in args.set] + (['--quick'] if args.quick else []) + (['--build_only'] if args.build_only else [])
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536'})
     results = [line[len('RESULT '):] for line in out.stdout.splitlines() if line.startswith('RESULT ')]
     if out.returncode != 0 or not results:
@@ -220,6 +220,8 @@ def bench_scale(args):
             print(f"| {r['kind']} | did not run: {r['failed']} |" + " |" * 11)
             continue
         measured = sum(r['populations'].values())
+        if r['step_ms'] is None:  # --build_only: no step, so no peak during steps
+            r['steps_peak'], r['step_ms'] = float('nan'), float('nan')
         print(f"| {r['kind']} | {r['estimate'] / MB:.2f} | {measured / MB:.2f} | {measured / r['estimate']:.4f} | "
               f"{measured / r['psi']:.3f} | {r['after_step'] / MB:.2f} | {r['steps_peak'] / MB:.0f} | "
               f"{r['process_peak'] / MB:.0f} | {r['runtime'] / MB:.0f} | {r['peak_estimate'] / MB:.0f} | "
@@ -235,6 +237,8 @@ def bench_scale(args):
 
 def add_arguments(parser):
     parser.add_argument('--world', type=int, default=64, help="scale: the number of ranks rank 0 is one of")
+    parser.add_argument('--build_only', action='store_true', help="scale: build and count, take no step (the peak columns "
+                        "print nan): a model whose CPU step takes hours")
     parser.add_argument('--quick', action='store_true', help="scale: one warm-up step and one timed, not 2 and 3 (tests, models whose step takes minutes)")
 
 
@@ -247,4 +251,4 @@ if __name__ == '__main__':  # one kind, run by run_kind in a fresh process: prin
     child = parser.parse_args()
     cfg = scale_config(child)
     cfg['zero_stage'] = 3 if child.kind == 'fsdp2' else int(child.kind[-1])  # fsdp2: for the dtypes and the estimate
-    print('RESULT ' + json.dumps(measure(child.kind, cfg, child.world, child.quick)), flush=True)
+    print('RESULT ' + json.dumps(measure(child.kind, cfg, child.world, child.quick, child.build_only)), flush=True)
