@@ -376,7 +376,9 @@ def test_zero3_prefetch_launches_the_next_units_all_gathers_before_computing_and
 
 def test_zero3_compiled_blocks_equal_eager_and_do_not_recompile():
     eager, compiled = run_ranks(2, [dict(kind='zero3', accum=4, compile=c) for c in (False, True)])
-    assert_same_run(compiled, eager, rtol=1e-4, atol=1e-6)
+    # the compiled graph rounds differently and Adam magnifies it on near-zero grads: from the counter-based init,
+    # 7.8e-6 on one element of h.0.mlp.c_proj.weight (losses equal, norms to 1.5e-7); a dropped grad moves params 1e-3
+    assert_same_run(compiled, eager, rtol=1e-4, atol=1e-6, param_atol=1e-5)
     assert compiled['graphs_after_first_step'] == compiled['graphs'] == 1  # one graph serves every block and step
 
 
@@ -398,7 +400,8 @@ def test_activation_checkpointing_changes_no_number_and_no_collective_at_stages_
 
 def test_activation_checkpointing_with_compiled_blocks_equals_eager():
     eager, compiled = run_ranks(2, [dict(kind='zero3', accum=4), dict(kind='zero3', accum=4, compile=True, checkpointing=True)])
-    assert_same_run(compiled, eager, rtol=1e-4, atol=1e-6)
+    assert_same_run(compiled, eager, rtol=1e-4, atol=1e-6, param_atol=1e-5)  # as test_zero3_compiled_blocks_equal_eager
+    assert compiled['graphs_after_first_step'] == compiled['graphs']  # the recomputation compiles nothing new
 
 
 def test_meta_device_init_equals_a_plain_model_bit_for_bit():
