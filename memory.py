@@ -98,10 +98,8 @@ def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, activations
     gathered blocks and the root unit (kept gathered from its forward to the end of backward), less their own shards
     where a gathered unit frees them (fsdp_lite [Note: a gathered unit holds its shard once]). (2) The root's
     backward, activations gone: the embedding's grad beside the pending one, their sum, the root's grad buffer."""
-    if stage < 1:
-        return activations
-    r, p = cfg.reduce_dtype.itemsize, cfg.param_dtype.itemsize
-    bucket = {1: 0, 2: min(psi, max(cfg.bucket_mb * 2**20 // r, block_numel, root_numel)), 3: block_numel}[stage]
+    r, p = cfg.reduce_dtype.itemsize, cfg.param_dtype.itemsize if stage > 0 else 4  # stage 0: DDP's fp32 params
+    bucket = {0: 0, 1: 0, 2: min(psi, max(cfg.bucket_mb * 2**20 // r, block_numel, root_numel)), 3: block_numel}[stage]
     lent = 1 / world if cfg.precision.master_dtype(cfg.param_dtype) != torch.float32 else 0
     gathered = [0, 0] if stage < 3 else [((cfg.prefetch + 1) * block_numel + root_numel) * p * (1 - lent), root_numel * p * (1 - lent)]
     first_block = activations + root_numel * p + bucket * (p + r) + gathered[0]

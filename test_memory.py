@@ -125,11 +125,15 @@ def hand_estimates(world):
     root = V * C + T * C + C  # wte (tied to lm_head), wpe, ln_f: 34,944, the largest unit is a block (196,864)
     psi = L * block + root  # 822,400
     activations = B * T * (L * C * (14 * 4 + 2 * 4) + C * (4 + 4) + 4 * V + 8 * V)  # [Note: activation estimate]
-    return {0: 16 * psi + activations,  # torch DDP: fp32 params, grads, exp_avg, exp_avg_sq
-            1: 4 * psi + 4 * psi + 12 * psi / world + activations,  # fp32 params (the masters) and full flat_grad
-            2: 4 * psi + 12 * psi / world + 2**20 + activations,  # + one 1 MiB grad bucket in flight (> any param)
-            # + a unit's grads, 2 blocks + the root gathered, less their own shards (fp32 compute: freed while gathered)
-            3: 16 * psi / world + 4 * block + 4 * (2 * block + root) * (1 - 1 / world) + activations}
+    # [Note: the peak] the worse of the first block's backward (activations, the tied embedding's grad pending (root at
+    # most), the bucket's grads beside its grad buffer, stage 3's 2 blocks + root gathered less their own shards) and
+    # the root's backward (two embedding grads, the root's grad buffer, the root gathered)
+    gathered = (1 - 1 / world) * 4
+    return {0: 16 * psi + max(activations + 4 * root, 8 * root),  # torch DDP: fp32 params, grads, exp_avg, exp_avg_sq
+            1: 4 * psi + 4 * psi + 12 * psi / world + max(activations + 4 * root, 8 * root),  # fp32 params, full flat_grad
+            2: 4 * psi + 12 * psi / world + max(activations + 4 * root + 2 * 2**20, 12 * root),  # 1 MiB buckets (> any param)
+            3: 16 * psi / world + max(activations + 4 * root + 8 * block + (2 * block + root) * gathered,
+                                      12 * root + root * gathered)}
 
 
 def auto_config(memory_gb):
