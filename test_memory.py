@@ -155,6 +155,21 @@ def test_auto_picks_the_lowest_stage_that_fits_in_90_percent_of_the_memory(expec
         assert f"stage {s} {bytes_needed / 1e9:.3g}" in line  # the reasoning shows the same figures
 
 
+def test_auto_says_when_activation_checkpointing_is_what_makes_a_stage_fit():
+    cfg, args = auto_config(memory_gb=1.0)
+    cfg.update(batch_size=64, activation_checkpointing=True)  # 1024 tokens: activations outweigh the model states
+    model = GPT(GPTConfig(**args))
+    psi, units = sum(p.numel() for p in model.parameters()), memory.unit_sizes(model, model.transformer.h)
+    need = {ck: memory.stage_estimates(psi, 8, train.zero_config({**cfg, 'zero_stage': 1}),
+                                       memory.activation_bytes(4, 128, 256, 64 * 16, 4, ck), *units) for ck in (False, True)}
+    assert need[True][0] < min(need[False].values())  # with it stage 0 fits a limit that no stage fits without it
+    cfg['memory_gb'] = (need[True][0] + min(need[False].values())) / 2 / 0.9 / 1e9
+    stage, line = train.choose_stage(cfg, torch.device('cpu'), 8, args)
+    assert stage == 0 and line.endswith("activation_checkpointing=True is what makes stage 0 fit (without it: none)"), line
+    with pytest.raises(ValueError, match=r"use activation_checkpointing=True \(then stage 0 fits\)"):
+        train.choose_stage({**cfg, 'activation_checkpointing': False}, torch.device('cpu'), 8, args)
+
+
 def test_auto_never_picks_stage_0_with_a_precision_mode_that_torch_adamw_cannot_honour():
     cfg = train.parse_config(['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=16', '--batch_size=1',
                               '--dtype=bfloat16', '--master_weights=remainder', '--zero_stage=auto', '--memory_gb=1000'])

@@ -313,7 +313,7 @@ def choose_stage(cfg, device, world_size, args):
                                                         *memory.unit_sizes(model, model.transformer.h)), limit)
     (stage, line), (other, _) = pick(cfg['activation_checkpointing']), pick(not cfg['activation_checkpointing'])
     if cfg['activation_checkpointing'] and stage is not None and (other is None or other > stage):
-        line += f"; activation_checkpointing=True is what makes stage {stage} fit (without it: {other or 'none'})"
+        line += f"; activation_checkpointing=True is what makes stage {stage} fit (without it: {'none' if other is None else other})"
     if stage is None:
         hint = f"activation_checkpointing=True (then stage {other} fits), " if other is not None else ''
         raise ValueError(f"{line}: use {hint}more ranks, a smaller batch_size or block_size, or set memory_gb")
