@@ -153,10 +153,10 @@ class GPT(nn.Module):
         of (seed, name, its index in the param) alone, drawn on tensor's device: a ZeRO rank draws only the elements of
         its own shard, and they equal, bit for bit, those of a plain GPT(config) at any world size, stage or layout."""
         shape = self.get_parameter(name).shape
-        flat = tensor.view(-1)
         if len(shape) == 1:  # LayerNorm gains 1, biases 0
-            flat.fill_(0.0 if name.endswith('bias') else 1.0)
+            tensor.fill_(0.0 if name.endswith('bias') else 1.0)
             return
+        flat = tensor.reshape(-1)  # a view of tensor, unless tensor is not contiguous (then copied back below)
         # GPT-2: N(0, 0.02); residual projections scaled by 1/sqrt(2 * n_layer)
         std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith('c_proj.weight') else 0.02
         assert math.prod(shape) < 2**32, f"{name}: the init hash indexes a param's elements with 32 bits"
@@ -164,6 +164,8 @@ class GPT(nn.Module):
         for lo in range(0, flat.numel(), INIT_CHUNK):  # chunks: the int64 temporaries stay in cache
             out = flat[lo:lo + INIT_CHUNK]
             out.copy_(counter_normal(start + lo, out.numel(), keys, out.device).mul_(std))  # rounded once, to out's dtype
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view(tensor.shape))
 
     def get_num_params(self, non_embedding=True):
         """Parameter count. The position embedding is subtracted by default (as in nanoGPT); the token
