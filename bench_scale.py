@@ -4,6 +4,7 @@ Rank 0 of a big job, alone on one machine: what one rank of 64 or 1024 holds, wi
     python bench.py scale --world 64 --set n_layer=4 --set n_embd=256
     python bench.py scale --world 1024 --kinds zero3,fsdp2 --set n_layer=48 --set n_head=25 --set n_embd=1600 --set batch_size=1
     python bench.py scale --world 8 --config config/gpt2_124m.py --set batch_size=1   # on a GPU (the config's device)
+    python bench.py scale --world 1024 --kinds zero3 --build_only --set n_layer=80 --set n_head=64 --set n_embd=8192 --set block_size=16 --set batch_size=1 --set activation_checkpointing=True --set prefetch=0   # 70B: build and count
 
 The process joins torch's "fake" process group as rank 0 of --world ranks ([Note: the fake process group] in
 zero.py): every collective returns at once, so memory and compute are rank 0's own and real, the losses are
