@@ -4,6 +4,7 @@ Rank 0 of a big job, alone on one machine: what one rank of 64 or 1024 holds, wi
     python bench.py scale --world 64 --set n_layer=4 --set n_embd=256
     python bench.py scale --world 1024 --kinds zero3,fsdp2 --set n_layer=48 --set n_head=25 --set n_embd=1600 --set batch_size=1
     python bench.py scale --world 8 --config config/gpt2_124m.py --set batch_size=1   # on a GPU (the config's device)
+    python bench.py scale --world 1024 --kinds zero3 --build_only --set n_layer=80 --set n_head=64 --set n_embd=8192 --set block_size=16 --set batch_size=1 --set activation_checkpointing=True --set prefetch=0   # 70B: build and count
 
 The process joins torch's "fake" process group as rank 0 of --world ranks ([Note: the fake process group] in
 zero.py): every collective returns at once, so memory and compute are rank 0's own and real, the losses are
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import bench_zero
+import fsdp_lite
 import memory
 import train
 from model import GPT, GPTConfig
@@ -73,6 +75,8 @@ def build_fsdp2(cfg, device, args, world_size):
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if cfg['activation_checkpointing']:
+        fsdp_lite.checkpoint_activations(model.transformer.h)
     model.to_empty(device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -91,8 +95,8 @@ def states_after_step(engine):
     return pops['params'] + pops['optimizer state'] + sum(bench_zero.nbytes(p.grad) for p in engine.params if p.grad is not None)
 
 
-def measure(kind, cfg, world_size, quick):
-    """Build one kind as rank 0 of world_size, warm up 2 steps, time 3 (1 with quick); return what was measured."""
+def measure(kind, cfg, world_size, quick, build_only=False):
+    """Build one kind as rank 0 of world_size, warm up 2 steps and time 3 (quick: 1 and 1); return what was measured."""
     device = torch.device(cfg['device'])
     if device.type == 'cuda':
         device = torch.device('cuda', 0)
@@ -101,18 +105,26 @@ def measure(kind, cfg, world_size, quick):
     train.prepare_data(cfg, rank=0)
     data = train.load_split(train.data_dir(cfg), 'train')
     args = train.model_args(cfg, train.vocab_size(cfg))
+    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
     runtime = torch.cuda.memory_allocated(device) if device.type == 'cuda' else proc_status_bytes('VmRSS')
-    _, engine = build_fsdp2(cfg, device, args, world_size) if kind == 'fsdp2' else train.build(cfg, device, args)
+    t_build = time.perf_counter()  # build time: from model construction to the first step (initial values included)
+    model, engine = build_fsdp2(cfg, device, args, world_size) if kind == 'fsdp2' else train.build(cfg, device, args)
+    sync()
+    build_s = time.perf_counter() - t_build
     zcfg = train.zero_config(cfg)  # fsdp2 runs with zero_stage=3: it holds what our stage 3 holds, 16Ψ/N
     estimate = memory.model_states(zcfg.stage, engine.psi, world_size, zcfg)
+    activations = memory.activation_bytes(cfg['n_layer'], cfg['n_embd'], args['vocab_size'], cfg['batch_size'] * cfg['block_size'],
+                                          zcfg.param_dtype.itemsize, cfg['activation_checkpointing'])
+    peak_estimate = sum(b for _, b in estimate.values()) + memory.transient_bytes(
+        zcfg.stage, zcfg, *memory.unit_sizes(model, model.transformer.h), engine.psi, world_size, activations)
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
-    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
 
     # warm-up: optimizer state allocated (FSDP2's lazily), stage 3's forward order recorded; our transient
     # buffers metered (bucket grad buffers, unsharded units), the hooks removed before timing
     transient = [0]
     handles = bench_zero.meter_transient(engine, transient) if bench_zero.ours(engine) else []
-    for it in range(2):
+    warmup = 0 if build_only else 1 if quick else 2  # one is enough to allocate everything and record stage 3's order
+    for it in range(warmup):
         train.train_step(engine, train.train_batches(data, it, cfg, 0, world_size, device), cfg['learning_rate'], autocast)
     for h in handles:
         h.remove()
@@ -120,7 +132,7 @@ def measure(kind, cfg, world_size, quick):
     build_peak = peak_bytes(device)
     reset_peak(device)
     times = []
-    for it in range(2, 3 if quick else 5):
+    for it in range(warmup, warmup + (0 if build_only else 1 if quick else 3)):
         batches = train.train_batches(data, it, cfg, 0, world_size, device)
         t0 = time.perf_counter()
         train.train_step(engine, batches, cfg['learning_rate'], autocast)
@@ -133,7 +145,7 @@ def measure(kind, cfg, world_size, quick):
                 pads=engine.flat_numel - engine.psi if bench_zero.ours(engine) else None,
                 transient=transient[0] if handles else None, after_step=states_after_step(engine),
                 runtime=runtime, steps_peak=steps_peak, process_peak=max(build_peak, steps_peak),
-                step_ms=1e3 * sorted(times)[len(times) // 2], threads=torch.get_num_threads())
+                step_ms=1e3 * sorted(times)[len(times) // 2] if times else None, build_s=build_s, peak_estimate=peak_estimate, threads=torch.get_num_threads())
 
 # -----------------------------------------------------------------------------
 # the table, from one subprocess per kind
@@ -151,7 +163,7 @@ def run_kind(kind, args):
     """One kind in a fresh process. MALLOC_MMAP_THRESHOLD_: glibc then serves every buffer over 64 KiB with
     its own mmap and unmaps it when freed, so the RSS falls when tensors die and its peak is a real peak."""
     cmd = [sys.executable, os.path.abspath(__file__), kind, f'--world={args.world}', f'--config={args.config}']
-    cmd += [f'--set={kv}' for kv in args.set] + (['--quick'] if args.quick else [])
+    cmd += [f'--set={kv}' for kv in args.set] + (['--quick'] if args.quick else []) + (['--build_only'] if args.build_only else [])
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536'})
     results = [line[len('RESULT '):] for line in out.stdout.splitlines() if line.startswith('RESULT ')]
     if out.returncode != 0 or not results:
@@ -166,7 +178,7 @@ NOTES = """\
   tensors, ours by memory.counted_states(engine) (grads: the bytes they take during a step), fsdp2 from the DTensor local
   shards of params, of grads right after backward, and of the optimizer state. B/param: measured / Ψ.
 - after step: the same, counted from live tensors between steps (both free their grads after a step).
-- peak during steps: after 2 warm-up steps, the high-water mark over the timed steps; on CPU of the process's
+- peak during steps: after 2 warm-up steps (--quick: 1), the high-water mark over the timed steps; on CPU of the process's
   RSS (VmHWM after writing 5 to /proc/self/clear_refs; MALLOC_MMAP_THRESHOLD_=65536, so freed buffers leave the
   RSS), on CUDA torch.cuda.max_memory_allocated. process: the same from the start (model building included).
   runtime: the RSS (CUDA: memory allocated) before the model is built, part of both peaks: torch, the data.
@@ -174,6 +186,12 @@ NOTES = """\
   every grad and every unit's forward (a moment between two samples is missed: the root's grad buffer while the root
   is still unsharded). Not counted: autograd's .grad before it is copied into a bucket. pads: elements of padding in
   the flat layout, the whole of measured/estimated - 1 for ours (fsdp2 pads each param's dim 0 to a multiple of N).
+- peak estimated: memory.transient_bytes ([Note: the peak]) on top of the model states: states + the buffers and
+  activations alive at the worst moment of backward (activation_bytes, with activation_checkpointing as configured).
+  It leaves out the runtime (torch's own RSS, the data: measured before the model is built), so it is compared with
+  the peak during steps less the runtime.
+- build: wall time from the model's construction (on the meta device) to the first step: initial values drawn,
+  shards and optimizer state allocated (fsdp2: its to_empty and our init_param on its local shards).
 - step: median wall time of the timed steps; collectives cost nothing here (fake process group)."""
 
 
@@ -195,16 +213,20 @@ def bench_scale(args):
           f" x {cfg['block_size']} tokens per rank" + (f"; skipped {', '.join(skipped)}: torch DDP cannot run under the "
                                                        f"fake process group" if skipped else ''))
     print("\n| kind | model states MB: estimated | measured | measured/estimated | B/param | after step MB "
-          "| peak MB during steps | process peak MB | runtime MB | step ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| peak MB during steps | process peak MB | runtime MB | peak MB: estimated | (peak - runtime)/estimated "
+          "| build s | step ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         if 'failed' in r:
-            print(f"| {r['kind']} | did not run: {r['failed']} |" + " |" * 8)
+            print(f"| {r['kind']} | did not run: {r['failed']} |" + " |" * 11)
             continue
         measured = sum(r['populations'].values())
+        if r['step_ms'] is None:  # --build_only: no step, so no peak during steps
+            r['steps_peak'], r['step_ms'] = float('nan'), float('nan')
         print(f"| {r['kind']} | {r['estimate'] / MB:.2f} | {measured / MB:.2f} | {measured / r['estimate']:.4f} | "
               f"{measured / r['psi']:.3f} | {r['after_step'] / MB:.2f} | {r['steps_peak'] / MB:.0f} | "
-              f"{r['process_peak'] / MB:.0f} | {r['runtime'] / MB:.0f} | {r['step_ms']:.0f} |")
+              f"{r['process_peak'] / MB:.0f} | {r['runtime'] / MB:.0f} | {r['peak_estimate'] / MB:.0f} | "
+              f"{(r['steps_peak'] - r['runtime']) / r['peak_estimate']:.3f} | {r['build_s']:.1f} | {r['step_ms']:.0f} |")
     print("\nrank 0, MB: measured model states by population; our transient peak; pads")
     for r in done:
         line = ', '.join(f"{name} {b / MB:.2f}" for name, b in r['populations'].items())
@@ -216,7 +238,9 @@ def bench_scale(args):
 
 def add_arguments(parser):
     parser.add_argument('--world', type=int, default=64, help="scale: the number of ranks rank 0 is one of")
-    parser.add_argument('--quick', action='store_true', help="scale: time one step instead of three (tests)")
+    parser.add_argument('--build_only', action='store_true', help="scale: build and count, take no step (the peak columns "
+                        "print nan): a model whose CPU step takes hours")
+    parser.add_argument('--quick', action='store_true', help="scale: one warm-up step and one timed, not 2 and 3 (tests, models whose step takes minutes)")
 
 
 if __name__ == '__main__':  # one kind, run by run_kind in a fresh process: prints one RESULT line
@@ -228,4 +252,4 @@ if __name__ == '__main__':  # one kind, run by run_kind in a fresh process: prin
     child = parser.parse_args()
     cfg = scale_config(child)
     cfg['zero_stage'] = 3 if child.kind == 'fsdp2' else int(child.kind[-1])  # fsdp2: for the dtypes and the estimate
-    print('RESULT ' + json.dumps(measure(child.kind, cfg, child.world, child.quick)), flush=True)
+    print('RESULT ' + json.dumps(measure(child.kind, cfg, child.world, child.quick, child.build_only)), flush=True)

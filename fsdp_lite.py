@@ -27,9 +27,11 @@ A unit is SHARDED, IN_FLIGHT (its all-gather launched, not waited) or UNSHARDED.
 at most d + 1 block units are unsharded or in flight at once (plus the root, which FSDP2 also keeps
 unsharded from its forward to the end of backward): Schedule.peak_live counts them.
 """
+import functools
 from enum import Enum
 
 import torch
+import torch.utils.checkpoint
 from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
 
@@ -181,3 +183,16 @@ def finish_backward(units):
     for unit in units:
         unit.reshard()
         unit.schedule.recorded = True
+
+
+def checkpoint_activations(modules):
+    """[Note: activation checkpointing] activation_checkpointing=True: each module (a transformer block) keeps only its
+    input for backward and runs its forward again when backward reaches it (torch.utils.checkpoint, non-reentrant):
+    what a block saves falls from ~16 values per token and channel to 1 (memory.saved_bytes), for one more forward.
+    Not sharding, but it must get along with it: the module's forward is replaced, so its hooks run once, around the
+    checkpointed call, and not during the recomputation. A stage-3 unit's pre-backward hook (on its outputs' grads)
+    fires before backward reaches the unit's own nodes, whose saved tensors trigger the recomputation: the unit is
+    gathered again before the recomputed forward reads its params; nothing reshards it before its post-backward, and
+    no second pre-backward hook is registered. Stages 0-2 hold every param anyway."""
+    for module in modules:
+        module.forward = functools.partial(torch.utils.checkpoint.checkpoint, module.forward, use_reentrant=False)

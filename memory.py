@@ -62,7 +62,7 @@ def communication(stage, psi, accum, cfg):
 # activations and transients, for "which stage fits"
 
 
-def saved_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes):
+def saved_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointing=False):
     """[Note: activation estimate] What autograd saves for backward in one micro-batch of `tokens` = B·T tokens,
     with SDPA attention (no T x T scores kept) and no dropout. Per block, values per token per channel:
     ln_1 in 1, c_attn in 1, q k v 3 (views of c_attn's output), attention out 1 (SDPA writes it in (B, T, nh, hs)
@@ -71,33 +71,40 @@ def saved_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes):
     on CUDA (layer_norm autocasts to fp32 there), the other 14 in the compute dtype. Then ln_f in (fp32) and
     lm_head in, and per vocab entry the fp32 log-softmax the loss keeps (the logits themselves are not saved):
         tokens * (n_layer * n_embd * (14a + 2*4) + n_embd * (a + 4) + 4 * vocab_size) bytes, a = compute dtype bytes.
+    With activation checkpointing (fsdp_lite [Note: activation checkpointing]) a block saves only its input, 1 value
+    per token per channel (a bytes: the residual stream is in the compute dtype at stages 1-3), in place of 14a + 8.
     Left out, < 1% at any real width: layer-norm means and rstds, attention logsumexps, the token ids.
     On a CPU autocast runs layer_norm in bf16, so there this is 4 bytes per layer per channel per token high.
     test_memory.py checks it against the bytes autograd really saves."""
     a = compute_bytes
-    return tokens * (n_layer * n_embd * (14 * a + 2 * 4) + n_embd * (a + 4) + 4 * vocab_size)
+    return tokens * (n_layer * n_embd * (a if checkpointing else 14 * a + 2 * 4) + n_embd * (a + 4) + 4 * vocab_size)
 
 
-def activation_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes):
+def activation_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointing=False):
     """The activation peak, as backward starts: everything saved (saved_bytes), plus the fp32 grads of the
-    log-probs and of the logits, alive together while log-softmax's backward runs (8 bytes per vocab entry)."""
-    return saved_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes) + tokens * vocab_size * 8
+    log-probs and of the logits, alive together while log-softmax's backward runs (8 bytes per vocab entry).
+    With checkpointing, the larger of that and one block recomputed (its 14a + 8 values) beside the saved inputs."""
+    saved = saved_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointing)
+    block = n_embd * (14 * compute_bytes + 2 * 4) if checkpointing else 0
+    return saved + tokens * max(vocab_size * 8, block)
 
 
-def transient_bytes(stage, cfg, block_numel, root_numel, psi, world):
-    """Buffers that live only during forward/backward: stage 2/3 one bucket-sized grad buffer in flight
-    ([Note: one grad buffer]); stage 3 the prefetch + 1 gathered blocks and the root unit (kept gathered from
-    its forward to the end of backward), less their own shards where a gathered unit frees them (fsdp_lite
-    [Note: a gathered unit holds its shard once]: no fp32 master beside the params). A stage 2 bucket holds up to
-    bucket_mb of grads, but a param larger than that gets a bucket to itself (GPT-2's tied embedding, in the root:
-    38.6M elements, 154 MB of fp32 grads; no param is larger than its unit), and no bucket is larger than the model."""
-    if stage < 2:
-        return 0
-    r, largest_param = cfg.reduce_dtype.itemsize, max(block_numel, root_numel)
-    if stage == 2:
-        return min(psi, max(cfg.bucket_mb * 2**20 // r, largest_param)) * r
+def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, activations=0):
+    """[Note: the peak] Buffers that live only during backward, plus the activations, at the worse of two moments.
+    (1) The first block's backward: all activations; the root unit's tied embedding grad pending (the lm_head's
+    backward comes first, the embedding's last: autograd holds it, root_numel at most); the block's own grads as
+    autograd made them (param_dtype) beside the bucket-sized grad buffer they are copied into ([Note: one grad
+    buffer]; a stage 2 bucket holds bucket_mb of grads, or a param larger than that); stage 3 also holds prefetch + 1
+    gathered blocks and the root unit (kept gathered from its forward to the end of backward), less their own shards
+    where a gathered unit frees them (fsdp_lite [Note: a gathered unit holds its shard once]). (2) The root's
+    backward, activations gone: the embedding's grad beside the pending one, their sum, the root's grad buffer."""
+    r, p = cfg.reduce_dtype.itemsize, cfg.param_dtype.itemsize if stage > 0 else 4  # stage 0: DDP's fp32 params
+    bucket = {0: 0, 1: 0, 2: min(psi, max(cfg.bucket_mb * 2**20 // r, block_numel, root_numel)), 3: block_numel}[stage]
     lent = 1 / world if cfg.precision.master_dtype(cfg.param_dtype) != torch.float32 else 0
-    return largest_param * r + ((cfg.prefetch + 1) * block_numel + root_numel) * cfg.param_dtype.itemsize * (1 - lent)
+    gathered = [0, 0] if stage < 3 else [((cfg.prefetch + 1) * block_numel + root_numel) * p * (1 - lent), root_numel * p * (1 - lent)]
+    first_block = activations + root_numel * p + bucket * (p + r) + gathered[0]
+    root = 2 * root_numel * p + (root_numel * r if stage > 1 else 0) + gathered[1]
+    return max(first_block, root)
 
 
 def stage_config(cfg, stage):
@@ -112,7 +119,7 @@ def stage_estimates(psi, world, cfg, activations, block_numel, root_numel):
     for stage in (0, 1, 2, 3) if cfg.precision == type(cfg.precision)() else (1, 2, 3):
         c = stage_config(cfg, stage)
         states = sum(b for _, b in model_states(stage, psi, world, c).values())
-        out[stage] = states + transient_bytes(stage, c, block_numel, root_numel, psi, world) + activations
+        out[stage] = states + transient_bytes(stage, c, block_numel, root_numel, psi, world, activations)
     return out
 
 
@@ -248,7 +255,7 @@ def main(argv):
         psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
         block, root = unit_sizes(model, model.transformer.h)
         activations = activation_bytes(cfg['n_layer'], cfg['n_embd'], model.config.vocab_size,
-                                       cfg['batch_size'] * cfg['block_size'], zcfg.param_dtype.itemsize)
+                                       cfg['batch_size'] * cfg['block_size'], zcfg.param_dtype.itemsize, cfg['activation_checkpointing'])
     print(estimate_table(psi, args.world, zcfg, accum, args.k))
     if args.gpu_gb:
         if activations is None:

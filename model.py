@@ -2,8 +2,8 @@
 A GPT-2 language model, nanoGPT-compatible (same config names, same parameter names, tied embeddings).
 
 nanozero's ZeRO code never looks inside this file: it sees a list of named parameters, the list of
-transformer blocks (stage 3's units) and `init_param(name, tensor)`, which fills any tensor with a param's
-initial value (stage 3 builds the model on the meta device and initializes it one unit at a time). Anything
+transformer blocks (stage 3's units) and `init_param(name, tensor, start)`, which fills any tensor with a slice of a
+param's initial value (stages 1-3 build the model on the meta device and each rank draws only its own shard). Anything
 a user swaps in for this model must only keep that contract.
 """
 import math
@@ -90,6 +90,40 @@ class Block(nn.Module):
         return x
 
 
+# -----------------------------------------------------------------------------
+# [Note: counter-based init] Initial values without a random generator's state: element i of a param is
+# N(0, 1) by Box-Muller from two 32-bit hashes of (seed, param name, i), so any rank can draw any slice of
+# any param alone (its shard), on any device, and get the values a plain GPT draws. The hash is the 32-bit
+# integer mixer of the stochastic-rounding hash (kernels.py, Chris Wellons' lowbias32), in int64 torch ops:
+# exact on every device. Box-Muller's log, sqrt and cos run in float64, and the value is rounded to float32
+# once: CPU and CUDA float64 libraries agree to ~1 ulp (2^-52), so a value could round to a different float32
+# only within ~2^-52 of a rounding boundary, about 1 element in 2^28 (test_gpu.py compares the devices).
+
+INIT_CHUNK = 1 << 16  # elements per chunk of init_param: 512 KB of int64 per temporary
+
+
+def _mix32_(x, tmp):
+    """lowbias32 (kernels._lowbias32) in place on int64 x < 2^32: x * c mod 2^32 as two products < 2^48."""
+    for c, shift in ((0x7FEB352D, 16), (0x846CA68B, 15)):
+        x ^= torch.bitwise_right_shift(x, shift, out=tmp)
+        torch.mul(x, c >> 16, out=tmp).bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+        x.mul_(c & 0xFFFF).add_(tmp).bitwise_and_(0xFFFFFFFF)
+    x ^= torch.bitwise_right_shift(x, 16, out=tmp)
+    return x
+
+
+def counter_normal(start, n, keys, device):
+    """N(0, 1) values of elements [start, start + n) of the stream keyed by keys (two 32-bit ints), float64."""
+    index = torch.arange(start, start + n, dtype=torch.int64, device=device)
+    tmp = torch.empty_like(index)
+    h = _mix32_(index, tmp)
+    a = _mix32_(h ^ keys[0], tmp)  # (n,) uniform 32-bit ints, two independent streams
+    b = _mix32_(h.bitwise_xor_(keys[1]), tmp)
+    u1 = a.double().add_(1.0).mul_(2.0**-32)  # (0, 1]: log(u1) is finite
+    u2 = b.double().mul_(2.0**-32)  # [0, 1)
+    return u1.log_().mul_(-2.0).sqrt_().mul_(u2.mul_(2 * math.pi).cos_())
+
+
 class GPT(nn.Module):
 
     def __init__(self, config, seed=0):
@@ -113,19 +147,25 @@ class GPT(nn.Module):
             if not p.is_meta:  # on the meta device there is nothing to fill: ZeRO-3 calls init_param per unit
                 self.init_param(name, p.data)
 
-    def init_param(self, name, tensor):
-        """Fill `tensor` with parameter `name`'s initial value. [Note: one generator per param] Each param
-        draws from its own CPU generator, seeded by (seed, name), so its value does not depend on which other
-        params were initialized before it, on which rank, or on which device: ZeRO-3 materializes one unit at
-        a time, straight into its shard, and still starts from exactly the values of a plain GPT(config)."""
-        generator = torch.Generator().manual_seed(zlib.crc32(f'{self.seed}/{name}'.encode()))
-        value = torch.zeros(tensor.shape, device='cpu')  # biases; on the generator's device, not the default one
-        if tensor.dim() == 1 and not name.endswith('bias'):
-            value.fill_(1.0)  # LayerNorm gains
-        elif tensor.dim() >= 2:  # GPT-2: N(0, 0.02); residual projections scaled by 1/sqrt(2 * n_layer)
-            std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith('c_proj.weight') else 0.02
-            value.normal_(0.0, std, generator=generator)
-        tensor.copy_(value)
+    def init_param(self, name, tensor, start=0):
+        """Fill `tensor` with elements [start, start + tensor.numel()) of parameter `name`'s initial value, flattened
+        (start=0 and the param's shape: the whole param). [Note: counter-based init] Each element's value is a function
+        of (seed, name, its index in the param) alone, drawn on tensor's device: a ZeRO rank draws only the elements of
+        its own shard, and they equal, bit for bit, those of a plain GPT(config) at any world size, stage or layout."""
+        shape = self.get_parameter(name).shape
+        if len(shape) == 1:  # LayerNorm gains 1, biases 0
+            tensor.fill_(0.0 if name.endswith('bias') else 1.0)
+            return
+        flat = tensor.reshape(-1)  # a view of tensor, unless tensor is not contiguous (then copied back below)
+        # GPT-2: N(0, 0.02); residual projections scaled by 1/sqrt(2 * n_layer)
+        std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith('c_proj.weight') else 0.02
+        assert math.prod(shape) < 2**32, f"{name}: the init hash indexes a param's elements with 32 bits"
+        keys = [zlib.crc32(f'{self.seed}/{name}/{k}'.encode()) for k in (1, 2)]
+        for lo in range(0, flat.numel(), INIT_CHUNK):  # chunks: the int64 temporaries stay in cache
+            out = flat[lo:lo + INIT_CHUNK]
+            out.copy_(counter_normal(start + lo, out.numel(), keys, out.device).mul_(std))  # rounded once, to out's dtype
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view(tensor.shape))
 
     def get_num_params(self, non_embedding=True):
         """Parameter count. The position embedding is subtracted by default (as in nanoGPT); the token

@@ -125,11 +125,15 @@ def hand_estimates(world):
     root = V * C + T * C + C  # wte (tied to lm_head), wpe, ln_f: 34,944, the largest unit is a block (196,864)
     psi = L * block + root  # 822,400
     activations = B * T * (L * C * (14 * 4 + 2 * 4) + C * (4 + 4) + 4 * V + 8 * V)  # [Note: activation estimate]
-    return {0: 16 * psi + activations,  # torch DDP: fp32 params, grads, exp_avg, exp_avg_sq
-            1: 4 * psi + 4 * psi + 12 * psi / world + activations,  # fp32 params (the masters) and full flat_grad
-            2: 4 * psi + 12 * psi / world + 2**20 + activations,  # + one 1 MiB grad bucket in flight (> any param)
-            # + a unit's grads, 2 blocks + the root gathered, less their own shards (fp32 compute: freed while gathered)
-            3: 16 * psi / world + 4 * block + 4 * (2 * block + root) * (1 - 1 / world) + activations}
+    # [Note: the peak] the worse of the first block's backward (activations, the tied embedding's grad pending (root at
+    # most), the bucket's grads beside its grad buffer, stage 3's 2 blocks + root gathered less their own shards) and
+    # the root's backward (two embedding grads, the root's grad buffer, the root gathered)
+    gathered = (1 - 1 / world) * 4
+    return {0: 16 * psi + max(activations + 4 * root, 8 * root),  # torch DDP: fp32 params, grads, exp_avg, exp_avg_sq
+            1: 4 * psi + 4 * psi + 12 * psi / world + max(activations + 4 * root, 8 * root),  # fp32 params, full flat_grad
+            2: 4 * psi + 12 * psi / world + max(activations + 4 * root + 2 * 2**20, 12 * root),  # 1 MiB buckets (> any param)
+            3: 16 * psi / world + max(activations + 4 * root + 8 * block + (2 * block + root) * gathered,
+                                      12 * root + root * gathered)}
 
 
 def auto_config(memory_gb):
@@ -149,6 +153,21 @@ def test_auto_picks_the_lowest_stage_that_fits_in_90_percent_of_the_memory(expec
     assert f"-> stage {expected}, the lowest that fits" in line
     for s, bytes_needed in need.items():
         assert f"stage {s} {bytes_needed / 1e9:.3g}" in line  # the reasoning shows the same figures
+
+
+def test_auto_says_when_activation_checkpointing_is_what_makes_a_stage_fit():
+    cfg, args = auto_config(memory_gb=1.0)
+    cfg.update(batch_size=64, activation_checkpointing=True)  # 1024 tokens: activations outweigh the model states
+    model = GPT(GPTConfig(**args))
+    psi, units = sum(p.numel() for p in model.parameters()), memory.unit_sizes(model, model.transformer.h)
+    need = {ck: memory.stage_estimates(psi, 8, train.zero_config({**cfg, 'zero_stage': 1}),
+                                       memory.activation_bytes(4, 128, 256, 64 * 16, 4, ck), *units) for ck in (False, True)}
+    assert need[True][0] < min(need[False].values())  # with it stage 0 fits a limit that no stage fits without it
+    cfg['memory_gb'] = (need[True][0] + min(need[False].values())) / 2 / 0.9 / 1e9
+    stage, line = train.choose_stage(cfg, torch.device('cpu'), 8, args)
+    assert stage == 0 and line.endswith("activation_checkpointing=True is what makes stage 0 fit (without it: none)"), line
+    with pytest.raises(ValueError, match=r"use activation_checkpointing=True \(then stage 0 fits\)"):
+        train.choose_stage({**cfg, 'activation_checkpointing': False}, torch.device('cpu'), 8, args)
 
 
 def test_auto_never_picks_stage_0_with_a_precision_mode_that_torch_adamw_cannot_honour():
@@ -219,6 +238,37 @@ def test_activation_formula_matches_what_autograd_saves_within_2_percent(L, C, V
     if dtype == torch.bfloat16:  # CPU autocast keeps layer_norm in bf16, where CUDA's runs it (and saves its input) in fp32
         formula -= 2 * T * L * C * 2 * (4 - dtype.itemsize)
     assert abs(formula / saved - 1) < 0.02, (saved, formula)  # left out: norm statistics, logsumexps, token ids
+
+ACTIVATION_PEAK = """
+import re, sys, torch
+import fsdp_lite
+from model import GPT, GPTConfig
+def rss(field): return int(re.search(field + r':\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)) * 1024
+L, C, V, B, T = map(int, sys.argv[1:6])
+model = GPT(GPTConfig(n_layer=L, n_head=4, n_embd=C, block_size=T, vocab_size=V, bias=False))
+if sys.argv[6] == '1':
+    fsdp_lite.checkpoint_activations(model.transformer.h)
+x, y = torch.randint(V, (2, B, T))
+model(x, y)[1].backward()  # warm-up: the grads exist, the kernels are initialised
+base = rss('VmRSS')
+open('/proc/self/clear_refs', 'w').write('5')  # VmHWM := VmRSS
+model(x, y)[1].backward()
+print(rss('VmHWM') - base)
+"""
+
+
+def test_activation_checkpointing_saves_the_memory_the_estimate_says():
+    """The peak RSS of a forward + backward above the warm process (fresh processes; MALLOC_MMAP_THRESHOLD_ so freed
+    buffers leave the RSS), with and without checkpointing: the difference is what activation_bytes says it is."""
+    L, C, V, B, T = 8, 256, 128, 4, 256  # blocks dominate: 138 MB of activations without checkpointing, 28 with
+    peaks = [int(subprocess.run([sys.executable, '-c', ACTIVATION_PEAK, *map(str, (L, C, V, B, T, ck))], capture_output=True,
+                                text=True, check=True, env={**QUIET, 'MALLOC_MMAP_THRESHOLD_': '65536'}).stdout) for ck in (0, 1)]
+    estimates = [memory.activation_bytes(L, C, V, B * T, 4, checkpointing=ck) for ck in (False, True)]
+    saved, estimated = peaks[0] - peaks[1], estimates[0] - estimates[1]
+    assert abs(saved / estimated - 1) < 0.05, (peaks, estimates)  # measured here: 110.0 vs 110.1 MB
+    for peak, estimate in zip(peaks, estimates):
+        assert abs(peak / estimate - 1) < 0.15, (peaks, estimates)  # 140.6 vs 137.9 MB, 30.6 vs 27.8 MB
+
 
 # -----------------------------------------------------------------------------
 # the profiler

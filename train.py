@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import fsdp_lite
 import kernels
 import memory
 from model import GPT, GPTConfig, peak_flops
@@ -73,6 +74,7 @@ bucket_mb = 25.0  # stage 1/2 grad bucket size
 reduce_dtype = 'float32'  # grads are reduced in this dtype ('float32' or 'bfloat16')
 prefetch = 1  # stage 3: all-gathers in flight ahead of compute (0 = off)
 reshard_after_forward = True  # stage 3: free each block's params after its forward (False: 2Ψ traffic, more memory)
+activation_checkpointing = False  # keep only each block's input, recompute its forward in backward (fsdp_lite)
 optimizer_impl = 'auto'  # fused AdamW kernel: 'auto', 'reference', 'cpu', 'cuda'
 # what ZeRO's optimizer stores (kernels.Precision; stages 1-3)
 master_weights = 'fp32'  # 'fp32', 'remainder' (bf16 param + 16 bits: exact, 2 B/param), 'none' (bf16 params only)
@@ -296,17 +298,25 @@ def zero_config(cfg):
 
 
 def choose_stage(cfg, device, world_size, args):
-    """zero_stage='auto': the lowest stage whose model states + transients + activations fit (memory.py)."""
+    """zero_stage='auto': the lowest stage whose model states + transients + activations fit (memory.py), and whether
+    activation checkpointing is what makes it fit."""
     with torch.device('meta'):
         model = GPT(GPTConfig(**args))
     zcfg = zero_config({**cfg, 'zero_stage': 1})
     psi = sum(p.numel() for p in model.parameters())
-    activations = memory.activation_bytes(args['n_layer'], args['n_embd'], args['vocab_size'],
-                                          cfg['batch_size'] * cfg['block_size'], zcfg.param_dtype.itemsize)
-    estimates = memory.stage_estimates(psi, world_size, zcfg, activations, *memory.unit_sizes(model, model.transformer.h))
-    stage, line = memory.pick_stage(estimates, memory.device_memory_bytes(device, cfg['memory_gb']))
+    limit = memory.device_memory_bytes(device, cfg['memory_gb'])
+
+    def pick(checkpointing):
+        activations = memory.activation_bytes(args['n_layer'], args['n_embd'], args['vocab_size'],
+                                              cfg['batch_size'] * cfg['block_size'], zcfg.param_dtype.itemsize, checkpointing)
+        return memory.pick_stage(memory.stage_estimates(psi, world_size, zcfg, activations,
+                                                        *memory.unit_sizes(model, model.transformer.h)), limit)
+    (stage, line), (other, _) = pick(cfg['activation_checkpointing']), pick(not cfg['activation_checkpointing'])
+    if cfg['activation_checkpointing'] and stage is not None and (other is None or other > stage):
+        line += f"; activation_checkpointing=True is what makes stage {stage} fit (without it: {'none' if other is None else other})"
     if stage is None:
-        raise ValueError(f"{line}: use more ranks, a smaller batch_size or block_size, or set memory_gb")
+        hint = f"activation_checkpointing=True (then stage {other} fits), " if other is not None else ''
+        raise ValueError(f"{line}: use {hint}more ranks, a smaller batch_size or block_size, or set memory_gb")
     return stage, line
 
 
@@ -322,6 +332,8 @@ def build(cfg, device, args):
             block.forward = torch.compile(block.forward)
     elif cfg['compile']:
         engine.module = torch.compile(engine.module)
+    if cfg['activation_checkpointing']:  # around the compiled blocks (stage 3), inside the compiled model (0-2)
+        fsdp_lite.checkpoint_activations(model.transformer.h)
     return model, engine
 
 

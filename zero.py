@@ -315,7 +315,9 @@ class Zero1:
         self.init_params()
         for name, p in model.named_parameters():  # frozen params: not sharded, in the compute dtype everywhere
             if not p.requires_grad:
-                self.comm.broadcast(value := self.pack_one(name, p).to(cfg.param_dtype))  # as in pack()
+                value = torch.empty(p.shape, dtype=torch.float32, device=self.device)
+                self.model.init_param(name, value) if p.is_meta else value.copy_(p.detach())
+                self.comm.broadcast(value := value.to(cfg.param_dtype))  # as in pack()
                 fsdp_lite.point_param_at(p, value)
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -329,30 +331,27 @@ class Zero1:
         return plan_buckets(params[::-1], bucket_numel, self.comm.world_size, self.comm.rank, self.precision.align)
 
     def pack(self, b):
-        """The bucket's initial values, fp32 (padded_numel,). [Note: meta-device init] A model built on the meta
-        device holds no numbers: each param is filled here by model.init_param, one bucket (one unit, in stage 3)
-        at a time, so no rank ever holds the whole model; the values are the same on every rank by construction.
-        Real params are copied, from rank 0 (like DDP)."""
+        """This rank's shard of the bucket's initial values, fp32 (shard_numel,). [Note: meta-device init] On the meta device
+        model.init_param draws only this rank's elements (model.py [Note: counter-based init]). Real params: rank 0's (like DDP)."""
+        if b.params[0].is_meta:
+            shard, lo = torch.zeros(b.shard_numel, dtype=torch.float32, device=self.device), b.rank * b.shard_numel
+            for p, o in zip(b.params, b.offsets):  # param p holds elements [o, o + numel) of the bucket
+                start, end = max(lo, o), min(lo + b.shard_numel, o + p.numel())
+                if start < end:
+                    self.model.init_param(self.names[p], shard[start - lo:end - lo], start - o)
+            return shard
         flat = torch.zeros(b.padded_numel, dtype=torch.float32, device=self.device)
         for p, view in b.views(flat):
-            view.copy_(self.pack_one(self.names[p], p))
-        if not b.params[0].is_meta:
-            self.comm.broadcast(flat)
-        return flat
-
-    def pack_one(self, name, p):
-        if not p.is_meta:
-            return p.detach()
-        value = torch.empty(p.shape, device=self.device)
-        self.model.init_param(name, value)
-        return value
+            view.copy_(p.detach())
+        self.comm.broadcast(flat)
+        return b.shard(flat)
 
     def init_params(self):
         """Every param becomes a view into one flat_param (param_dtype), gathered from the shards as stored."""
         self.flat_param = torch.empty(self.flat_numel, dtype=self.cfg.param_dtype, device=self.device)
         for b in self.buckets:
             b.flat_param = self.flat_param[b.flat_offset:b.flat_offset + b.padded_numel]
-            self.set_master(b, b.shard(self.pack(b)))
+            self.set_master(b, self.pack(b))
             self.gather_params(b).wait()  # each rank's params as their owner stores them (its precision's rounding)
             for p, view in b.views(b.flat_param):
                 fsdp_lite.point_param_at(p, view)
@@ -551,7 +550,7 @@ class Zero3(Zero2):
         self.param_shards = [torch.empty(b.shard_numel, dtype=self.cfg.param_dtype, device=self.device)
                              for b in self.buckets] if keeps_shard else None
         for b in self.buckets:
-            self.set_master(b, b.shard(self.pack(b)))  # one unit's fp32 values alive at a time
+            self.set_master(b, self.pack(b))  # one unit's shard drawn at a time
         self.units = fsdp_lite.fully_shard([(m, b, self.param_shard(b) if keeps_shard else self.master[b.shard_slice])
                                             for m, b in self.pairs], self.model, self.comm, self.cfg)
 
