@@ -158,16 +158,18 @@ class Clock:
 
 
 class VirtualClock:
-    """Link time without sleeping: now() is the real time since the clock started divided by `speedup` (compute
-    as if on a device that many times faster; math.inf: compute takes no time), plus every wait so far.
-    Exact where waiting costs the compute nothing, as on a CPU whose link uses no CPU. Not on CUDA (kernels
-    run on their own time: the host's clock does not see them)."""
+    """Link time without sleeping: now() is the time `source` measured since the clock started divided by
+    `speedup` (compute as if on a device that many times faster; math.inf: compute takes no time), plus every
+    wait so far. Exact where waiting costs the compute nothing, as on a CPU whose link uses no CPU. source
+    time.process_time: the CPU time this process computed, which a busy machine's preemptions do not stretch
+    (with one thread; the tests use it). Not on CUDA: kernels run on their own time, the host's clock misses them."""
 
-    def __init__(self, speedup=1.0):
-        self.speedup, self.start, self.waited = speedup, time.perf_counter(), 0.0
+    def __init__(self, speedup=1.0, source=time.perf_counter):
+        self.speedup, self.source, self.waited = speedup, source, 0.0
+        self.start = source()
 
     def now(self):
-        return (time.perf_counter() - self.start) / self.speedup + self.waited
+        return (self.source() - self.start) / self.speedup + self.waited
 
     def wait_until(self, t):
         self.waited += max(0.0, t - self.now())

@@ -118,7 +118,15 @@ def test_the_link_needs_the_fake_process_group():
         dist.destroy_process_group()
 
 # -----------------------------------------------------------------------------
-# overlap, on the real clock: the link's time is set from the measured compute, so a slower machine only hides more
+# overlap: compute on a clock of CPU time (one thread), so a busy machine's preemptions do not stretch it
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # process_time is then the compute's own time
+    yield
+    torch.set_num_threads(threads)
 
 
 class RecordingLink(comm.Link):
@@ -131,38 +139,36 @@ class RecordingLink(comm.Link):
 
 
 def block_forward_seconds(engine, batch):
-    """The fastest block forward of a step, on the real clock, with no link (collectives take no time)."""
+    """The fastest block forward of a step, in CPU time, with no link (collectives take no time)."""
     starts, times = {}, []
     for block in engine.model.transformer.h:
-        block.register_forward_pre_hook(lambda m, a: starts.__setitem__(m, time.perf_counter()))
-        block.register_forward_hook(lambda m, a, o: times.append(time.perf_counter() - starts[m]))
+        block.register_forward_pre_hook(lambda m, a: starts.__setitem__(m, time.process_time()))
+        block.register_forward_hook(lambda m, a, o: times.append(time.process_time() - starts[m]))
     step(engine, batch)
     return min(times)
 
 
 @pytest.mark.parametrize('prefetch', [0, 1])
-def test_with_prefetch_an_all_gather_that_fits_under_a_block_exposes_nothing(fake_world, prefetch):
+def test_with_prefetch_an_all_gather_that_fits_under_a_block_exposes_nothing(fake_world, one_thread, prefetch):
     """Stage 3 at prefetch=1: a block's all-gather is launched while the previous unit computes, so one that
-    takes a fifth of a block's forward is never waited for, in forward or backward, except the root's (nothing
-    runs before it) and perhaps the first block's (behind the root's on the link, with only an embedding lookup
-    to hide under). With prefetch=0 every all-gather is launched right before its wait: all of them block."""
+    takes a tenth of a block's forward is never waited for, in forward or backward, except the root's (nothing
+    runs before it) and the first block's (behind the root's on the link, with only an embedding lookup to hide
+    under). With prefetch=0 every all-gather is launched right before its wait: each one blocks."""
     fake_world(8)
-    model_kw, batch = dict(n_layer=4, n_head=4, n_embd=128, block_size=64), 8
+    model_kw, batch = dict(n_layer=4, n_head=4, n_embd=128, block_size=64), 16
     engine = build(3, model_kw, prefetch=prefetch)
     step(engine, batch)  # warm-up: the forward order recorded
-    gather = 0.2 * block_forward_seconds(engine, batch)  # the time of one block's all-gather, by its latency
-    link = RecordingLink(bandwidth=1e15, latency=gather / 7)  # 7 ring steps at 8 ranks; bytes take ~no time
-    link.waits = []
+    gather = 0.1 * block_forward_seconds(engine, batch)  # the time of one block's all-gather, by its latency
+    link = RecordingLink(bandwidth=1e15, latency=gather / 7, clock=comm.VirtualClock(source=time.process_time))
+    link.waits = []  # (7 ring steps at 8 ranks; the bytes take ~no time)
     engine.comm.use_link(link)
     step(engine, batch)
     gathers = [blocked for kind, blocked in link.waits if kind == 'all_gather']
-    n_layer = model_kw['n_layer']
-    assert len(gathers) == 1 + 2 * n_layer  # the root once, each block in forward and in backward
+    assert len(gathers) == 1 + 2 * model_kw['n_layer']  # the root once, each block in forward and in backward
     if prefetch:
-        assert gathers[0] > 0, gathers  # the root's: nothing ran before it
-        assert gathers[2:] == [0.0] * (len(gathers) - 2), gathers  # never waited for: hidden
-    else:
-        assert all(blocked > 0 for blocked in gathers), gathers  # each waited for right after its launch
+        assert gathers[2:] == [0] * (len(gathers) - 2), gathers  # never waited for: hidden
+    else:  # (less the few µs of Python between a launch and its wait)
+        assert all(blocked > 0.5 * gather for blocked in gathers), gathers
 
 # -----------------------------------------------------------------------------
 # bench.py scale --link
