@@ -24,20 +24,23 @@ SETTINGS = [  # (label, --set overrides)
     ('zero3 prefetch 2', ['zero_stage=3', 'prefetch=2']),
     ('zero3 prefetch 1, no reshard', ['zero_stage=3', 'prefetch=1', 'reshard_after_forward=False']),
 ]
-MODEL = ['n_layer=6', 'n_head=4', 'n_embd=256', 'block_size=256', 'batch_size=1']
+MODEL = ['n_layer=4', 'n_head=4', 'n_embd=256', 'block_size=256', 'batch_size=1']
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument('--worlds', default='8,64,1024')
+    parser.add_argument('--settings', default=None, help="comma-separated indices into SETTINGS (default: all)")
+    parser.add_argument('--append', action='store_true', help="add to the rows already in OUT.json")
     parser.add_argument('--set', action='append', default=[], help="train.py config overrides, after the study's model")
     parser.add_argument('--speedup', default='h100')
     parser.add_argument('--out', default='assets/link_study')
     cli = parser.parse_args()
     speedup = f"{bench_scale.parse_speedup(cli.speedup):.4g}"  # measured once: every setting uses the same factor
-    t0, rows = time.perf_counter(), []
+    t0, rows = time.perf_counter(), json.load(open(cli.out + '.json')) if cli.append else []
+    chosen = [SETTINGS[int(i)] for i in cli.settings.split(',')] if cli.settings else SETTINGS
     for world in [int(w) for w in cli.worlds.split(',')]:
-        for label, overrides in SETTINGS:
+        for label, overrides in chosen:
             kind = 'zero' + overrides[0][-1]
             args = argparse.Namespace(world=world, config='config/shakespeare_cpu.py', quick=True, link=list(LINKS),
                                       speedup=speedup, set=MODEL + cli.set + overrides[1:])
@@ -48,7 +51,7 @@ def main():
             print(f"{time.perf_counter() - t0:.0f} s: world {world}, {label}: "
                   + ('; '.join(f"{x['name']} exposed {x['blocked'] / x['step']:.0%}" for x in r.get('links', [])) or r.get('failed')),
                   flush=True)
-    write(cli, speedup, rows, time.perf_counter() - t0)
+            write(cli, speedup, rows, time.perf_counter() - t0)  # after each setting: a cut-off run keeps its rows
 
 
 def write(cli, speedup, rows, seconds):
