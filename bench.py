@@ -9,6 +9,8 @@ Benchmarks, one mode per idea:
     OMP_NUM_THREADS=1 python bench.py kernels --device cpu # steadier numbers on a shared machine
     torchrun --standalone --nproc_per_node=2 bench.py zero # a training step: ZeRO-1/2/3 vs DDP, ZeRO optimizer, FSDP2
     python bench.py scale --world 64                       # rank 0 of 64 ranks, alone: model states, peaks
+    python bench.py scale --world 64 --link ib400          # ... and each collective takes a simulated link's time
+    torchrun --standalone --nproc_per_node=2 bench.py link # gloo's latency and bandwidth here, fitted
 
 kernels: for each flat shard size n, time kernels.adamw_step (fp32 master/m/v, fp32 grad, bf16 param out)
 against the best torch offers on the same buffers: torch.optim.AdamW(fused=True) stepping the fp32 master,
@@ -22,6 +24,7 @@ as a ratio to the fp32-master step on the same n, with the bytes per element eac
 
 zero: see bench_zero.py (step time ratios, bytes per rank, exposed communication).
 scale: see bench_scale.py (estimated vs measured model states, peak memory, at any world size on one machine).
+link: see bench_link.py (the simulated link of comm.py, calibrated on this machine's gloo).
 """
 import argparse
 import functools
@@ -29,6 +32,7 @@ import time
 
 import torch
 
+import bench_link
 import bench_scale
 import bench_zero
 import kernels
@@ -180,7 +184,8 @@ def bench_modes(device, sizes, grad_dtype):
 # ----------------------------------------------------------------------------
 # the dispatcher: one entry per mode, each a function taking the parsed args
 
-MODES = {"kernels": bench_kernels, "zero": bench_zero.bench_zero, "scale": bench_scale.bench_scale}
+MODES = {"kernels": bench_kernels, "zero": bench_zero.bench_zero, "scale": bench_scale.bench_scale,
+         "link": bench_link.bench_link}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

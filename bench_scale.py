@@ -13,6 +13,14 @@ on the meta device and materialize one bucket or unit at a time) and fsdp2 (torc
 same way). Each kind runs in a fresh subprocess, so one kind's peak cannot hide in another's. The config is
 train.py's (config/shakespeare_cpu.py unless --config; --set KEY=VALUE overrides a key); its
 gradient_accumulation_steps is raised to a multiple of --world, one micro-step per rank at least.
+
+With --link (comm.py, [Note: simulated link]) every collective of ours also takes the time a ring of --world
+ranks would take on that link, asynchronously; each timed step then runs twice, without the link (compute
+alone) and with it, and a second table gives the step time, the communication exposed, and tokens/s and MFU
+projected for the whole job. --speedup (CPU) projects onto compute that much faster than this CPU's:
+
+    python bench.py scale --world 64 --link ib400 --kinds zero2,zero3 --set n_layer=4 --set n_embd=256
+    python bench.py scale --world 64 --link ib400 --link eth100 --speedup h100 --kinds zero3 --set prefetch=2
 """
 import argparse
 import json
@@ -28,8 +36,10 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import bench_zero
+import comm
 import fsdp_lite
 import memory
+import model as model_py
 import train
 from model import GPT, GPTConfig
 
@@ -95,8 +105,9 @@ def states_after_step(engine):
     return pops['params'] + pops['optimizer state'] + sum(bench_zero.nbytes(p.grad) for p in engine.params if p.grad is not None)
 
 
-def measure(kind, cfg, world_size, quick, build_only=False):
-    """Build one kind as rank 0 of world_size, warm up 2 steps and time 3 (quick: 1 and 1); return what was measured."""
+def measure(kind, cfg, world_size, quick, build_only=False, link_specs=(), speedup=None):
+    """Build one kind as rank 0 of world_size, warm up 2 steps and time 3 (quick: 1 and 1); return what was measured.
+    link_specs: simulated links (comm.parse_link) each timed step also runs with, after running without."""
     device = torch.device(cfg['device'])
     if device.type == 'cuda':
         device = torch.device('cuda', 0)
@@ -132,12 +143,16 @@ def measure(kind, cfg, world_size, quick, build_only=False):
     build_peak = peak_bytes(device)
     reset_peak(device)
     times = []
+    links = [comm.parse_link(spec, link_clock(device, speedup)) for spec in link_specs] if bench_zero.ours(engine) else []
+    runs = {link.name: [] for link in links}  # link -> (step, compute alone, blocked, busy) per timed step
     for it in range(warmup, warmup + (0 if build_only else 1 if quick else 3)):
         batches = train.train_batches(data, it, cfg, 0, world_size, device)
         t0 = time.perf_counter()
         train.train_step(engine, batches, cfg['learning_rate'], autocast)
         sync()
         times.append(time.perf_counter() - t0)
+        for link in links:  # the same batches: compute alone, then with the link
+            runs[link.name].append(timed_with_link(engine, link, batches, cfg, autocast, sync))
     steps_peak = peak_bytes(device)
     pops = bench_zero.model_state_bytes(engine)
     dist.destroy_process_group()
@@ -145,7 +160,84 @@ def measure(kind, cfg, world_size, quick, build_only=False):
                 pads=engine.flat_numel - engine.psi if bench_zero.ours(engine) else None,
                 transient=transient[0] if handles else None, after_step=states_after_step(engine),
                 runtime=runtime, steps_peak=steps_peak, process_peak=max(build_peak, steps_peak),
-                step_ms=1e3 * sorted(times)[len(times) // 2] if times else None, build_s=build_s, peak_estimate=peak_estimate, threads=torch.get_num_threads())
+                step_ms=1e3 * sorted(times)[len(times) // 2] if times else None, build_s=build_s,
+                peak_estimate=peak_estimate, threads=torch.get_num_threads(),
+                links=link_results(runs, links), flops_per_token=model.flops_per_token(),
+                peak_flops=job_peak_flops(device, cfg, speedup) if links else None)
+
+# -----------------------------------------------------------------------------
+# a simulated link (comm.py): the same step with and without it
+
+
+def link_clock(device, speedup):
+    """Real time (a wait sleeps), or with --speedup a virtual clock: compute time / speedup, waits not slept."""
+    if speedup is None:
+        return comm.Clock()
+    if device.type == 'cuda':
+        raise ValueError("--speedup projects a CPU's compute onto a faster device's: on a GPU, leave it out")
+    return comm.VirtualClock(speedup)
+
+
+def timed_with_link(engine, link, batches, cfg, autocast, sync):
+    """(step, compute alone, blocked in waits, link busy) in seconds: the step without the link, then with it,
+    each on the link's clock (so --speedup scales both alike)."""
+    clock, seconds = link.clock, []
+    for use in (None, link):
+        engine.comm.use_link(use)
+        link.reset()
+        sync()
+        t0 = clock.now()
+        train.train_step(engine, batches, cfg['learning_rate'], autocast)
+        sync()
+        seconds.append(clock.now() - t0)
+    engine.comm.use_link(None)
+    return seconds[1], seconds[0], sum(link.blocked.values()), sum(link.busy.values())
+
+
+def link_results(runs, links):
+    """Per link: the medians of each column over the timed steps, and the link's figures."""
+    def median(xs):
+        return sorted(xs)[len(xs) // 2]
+    return [dict(name=link.name, bandwidth=link.bandwidth, latency=link.latency,
+                 **{key: median([r[i] for r in runs[link.name]]) for i, key in enumerate(('step', 'alone', 'blocked', 'busy'))})
+            for link in links]
+
+
+def matmul_flops(device, dtype, n=2048):
+    """This device's measured matmul FLOP/s (the best of 5 n x n products): a CPU's peak, for MFU."""
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    best = float('inf')
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+H100_FLOPS = 989e12  # dense bf16, NVIDIA's H100 SXM datasheet (model.peak_flops)
+
+
+def job_peak_flops(device, cfg, speedup):
+    """The peak MFU is measured against: a known GPU's datasheet bf16 peak; on a CPU this CPU's measured matmul
+    FLOP/s times --speedup (with --speedup h100: the H100's peak)."""
+    if device.type == 'cuda':
+        return model_py.peak_flops(device) or matmul_flops(device, getattr(torch, cfg['dtype']))
+    return matmul_flops(device, getattr(torch, cfg['dtype'])) * (speedup or 1.0)
+
+
+def parse_speedup(spec):
+    """--speedup: a number, or 'h100': the H100's bf16 peak over this CPU's measured matmul FLOP/s."""
+    if spec is None:
+        return None
+    if spec == 'h100':
+        return H100_FLOPS / matmul_flops(torch.device('cpu'), torch.float32)
+    try:
+        value = float(spec)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError(f"--speedup {spec!r}: give a number > 0 (compute that many times faster) or h100")
+    return value
 
 # -----------------------------------------------------------------------------
 # the table, from one subprocess per kind
@@ -164,6 +256,7 @@ def run_kind(kind, args):
     its own mmap and unmaps it when freed, so the RSS falls when tensors die and its peak is a real peak."""
     cmd = [sys.executable, os.path.abspath(__file__), kind, f'--world={args.world}', f'--config={args.config}']
     cmd += [f'--set={kv}' for kv in args.set] + (['--quick'] if args.quick else []) + (['--build_only'] if args.build_only else [])
+    cmd += [f'--link={spec}' for spec in args.link] + ([f'--speedup={args.speedup}'] if args.speedup else [])
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536'})
     results = [line[len('RESULT '):] for line in out.stdout.splitlines() if line.startswith('RESULT ')]
     if out.returncode != 0 or not results:
@@ -195,8 +288,47 @@ NOTES = """\
 - step: median wall time of the timed steps; collectives cost nothing here (fake process group)."""
 
 
+LINK_NOTES = """\
+- with a link: every step timed twice, without the link (compute alone) and with it (comm.py [Note: simulated link]:
+  each collective takes a ring's time, (N-1)/N * bytes / bandwidth + (N-1) * latency, all-reduce twice, one
+  after another on one link, asynchronously). exposed: on CPU the time blocked in waits, on CUDA step - compute
+  alone; comm alone: the link's time for all the step's collectives, back to back. tokens/s: of the whole job
+  (N ranks x their tokens per step / step). MFU: (6Ψ + attention) FLOPs per token, against the peak printed.
+  fsdp2: torch's collectives, not comm.Comm's, so no link. Medians over the timed steps."""
+
+
+def print_link_table(args, cfg, done):
+    ours = [r for r in done if r.get('links')]
+    if not ours:
+        return
+    tokens = cfg['gradient_accumulation_steps'] * cfg['batch_size'] * cfg['block_size']  # the whole job's, per step
+    peak = ours[0]['peak_flops']
+    where = ('this CPU\'s measured matmul FLOP/s' + (f" x speedup {args.speedup}" if args.speedup else '')
+             if cfg['device'] == 'cpu' else 'the GPU\'s datasheet bf16 peak')
+    clock = (f"compute on a virtual clock, {args.speedup}x faster than this CPU (waits not slept)" if args.speedup
+             else "real time (a wait sleeps)")
+    print(f"\nsimulated link, {args.world} ranks; {clock}; MFU against {peak / 1e12:.3g} TFLOP/s per rank ({where})")
+    print("\n| kind | link | step ms | compute alone ms | exposed comm ms (of step) | comm alone ms | hidden "
+          "| job tokens/s | MFU |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in ours:
+        for x in r['links']:
+            exposed = x['blocked'] if cfg['device'] == 'cpu' else max(0.0, x['step'] - x['alone'])
+            tps = tokens / x['step']
+            mfu = r['flops_per_token'] * tps / args.world / peak
+            hidden = f"{1 - exposed / x['busy']:.0%}" if x['busy'] > 0 else '–'
+            print(f"| {r['kind']} | {x['name']} | {x['step'] * 1e3:.1f} | {x['alone'] * 1e3:.1f} | "
+                  f"{exposed * 1e3:.1f} ({exposed / x['step']:.0%}) | {x['busy'] * 1e3:.1f} | {hidden} | "
+                  f"{tps:,.0f} | {mfu:.1%} |")
+
+
 def bench_scale(args):
     t_start = time.perf_counter()
+    if args.speedup == 'h100':  # measured once, here, so every kind uses the same factor
+        args.speedup = f"{parse_speedup('h100'):.4g}"
+    parse_speedup(args.speedup)
+    for spec in args.link:
+        comm.parse_link(spec)  # a bad --link fails here, in one line
     kinds = args.kinds.split(',')
     if set(kinds) - set(KINDS) - set(bench_zero.KINDS):
         raise ValueError(f"unknown kinds {sorted(set(kinds) - set(KINDS) - set(bench_zero.KINDS))}: choose from {','.join(KINDS)}")
@@ -233,7 +365,9 @@ def bench_scale(args):
         if r['transient'] is not None:
             line += f"; transient peak {r['transient'] / MB:.2f}; pads {r['pads']:,} elements ({r['pads'] / r['psi']:.3%} of Ψ)"
         print(f"  {r['kind']:<6} {line}")
-    print(f"\n{NOTES}\n\nwall time {time.perf_counter() - t_start:.0f} s")
+    if args.link:
+        print_link_table(args, cfg, done)
+    print(f"\n{NOTES}" + (f"\n{LINK_NOTES}" if args.link else '') + f"\n\nwall time {time.perf_counter() - t_start:.0f} s")
 
 
 def add_arguments(parser):
@@ -241,6 +375,10 @@ def add_arguments(parser):
     parser.add_argument('--build_only', action='store_true', help="scale: build and count, take no step (the peak columns "
                         "print nan): a model whose CPU step takes hours")
     parser.add_argument('--quick', action='store_true', help="scale: one warm-up step and one timed, not 2 and 3 (tests, models whose step takes minutes)")
+    parser.add_argument('--link', action='append', default=[], help="scale: a simulated link each collective takes "
+                        f"the time of: {', '.join(comm.LINKS)} or BANDWIDTH_GBps[,LATENCY_us] (repeatable)")
+    parser.add_argument('--speedup', default=None, help="scale, with --link, CPU: compute as if X times faster "
+                        "(a virtual clock; waits are not slept); h100: the H100's bf16 peak / this CPU's matmul FLOP/s")
 
 
 if __name__ == '__main__':  # one kind, run by run_kind in a fresh process: prints one RESULT line
@@ -252,4 +390,5 @@ if __name__ == '__main__':  # one kind, run by run_kind in a fresh process: prin
     child = parser.parse_args()
     cfg = scale_config(child)
     cfg['zero_stage'] = 3 if child.kind == 'fsdp2' else int(child.kind[-1])  # fsdp2: for the dtypes and the estimate
-    print('RESULT ' + json.dumps(measure(child.kind, cfg, child.world, child.quick, child.build_only)), flush=True)
+    print('RESULT ' + json.dumps(measure(child.kind, cfg, child.world, child.quick, child.build_only, child.link,
+                                         parse_speedup(child.speedup))), flush=True)

@@ -11,94 +11,25 @@ it on every one of N ranks. ZeRO keeps each number on exactly one rank:
 
 (communication in elements per rank per step; a DDP all-reduce = reduce-scatter + all-gather = 2Ψ.
 *3Ψ less the root unit, which stays gathered from its forward to the end of backward, as in FSDP2).
-The `Comm` object below counts what this code actually sends, so the training log shows those figures.
+`comm.Comm` counts what this code actually sends, so the training log shows those figures.
 What each rank holds, and what it would hold before you rent the GPUs: memory.py (`python zero.py estimate`).
 
-Reading order: Comm (the collectives), Bucket (the flat layout), DataParallel (stage 0, the baseline),
-Zero1, then what Zero2 and Zero3 add on top of it. Stage 3's parameter gathering is in fsdp_lite.py; how
+Reading order: Bucket (the flat layout), DataParallel (stage 0, the baseline), Zero1, then what Zero2 and
+Zero3 add on top of it. The collectives are comm.py's, stage 3's parameter gathering is fsdp_lite.py's, how
 the optimizer stores each number (fp32, remainder, 8-bit, ...) is kernels.Precision.
 """
 import math
 import sys
-import warnings
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
 import fsdp_lite
 import kernels
-
-# torch 2.13 renames these two collectives; the old names are what torch 2.11 (our GPU machines) has
-warnings.filterwarnings('ignore', message=r'`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated')
-
-# -----------------------------------------------------------------------------
-# The collectives, counted
-
-
-class Comm:
-    """The three collectives ZeRO needs, on one process group, counting the elements each one moves.
-    Convention of the ZeRO paper: reduce-scattering an n-element buffer, or all-gathering into one,
-    moves n elements per rank; an all-reduce is both, 2n. Divided by Ψ these are the table's figures.
-    Each launch is a named range in a torch.profiler trace (train.py's profile=True)."""
-
-    def __init__(self, process_group=None, device=torch.device('cpu')):
-        self.process_group = process_group
-        self.device = device  # where its own tensors go: NCCL takes only CUDA tensors
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
-        # [Note: the fake process group] bench.py scale runs rank 0 of a 64-rank job alone, on torch's "fake"
-        # backend: every collective returns at once and writes nothing. We then write what the collective
-        # would have written if every rank held our data, so the numbers stay finite and every step is taken:
-        # memory and compute are real, the losses are not.
-        self.fake = dist.get_backend(process_group) == 'fake'
-        self.numel = Counter()  # collective kind -> elements moved since the caller last cleared it
-        self.bytes = Counter()
-
-    def count(self, kind, tensor, factor=1):
-        self.numel[kind] += factor * tensor.numel()
-        self.bytes[kind] += factor * tensor.numel() * tensor.element_size()
-
-    def all_gather(self, out, inp, async_op=False, name='all_gather'):
-        self.count('all_gather', out)
-        with record_function(name):
-            work = dist.all_gather_into_tensor(out, inp, group=self.process_group, async_op=async_op)
-        if self.fake:  # (a copy of inp: stages 1/2 gather in place, inp is a row of out)
-            out.view(self.world_size, -1).copy_(inp.clone())
-        return work
-
-    def reduce_scatter(self, out, inp, async_op=False, name='reduce_scatter'):
-        self.count('reduce_scatter', inp)
-        with record_function(name):
-            work = dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG, group=self.process_group,
-                                              async_op=async_op)
-        if self.fake:
-            out.copy_(inp.view(self.world_size, -1)[self.rank])
-        return work
-
-    def all_reduce_sum(self, tensor):
-        self.count('all_reduce', tensor, factor=2)
-        dist.all_reduce(tensor, group=self.process_group)
-
-    def broadcast(self, tensor):
-        """Rank 0's values everywhere (start-up only, so not counted)."""
-        src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
-        dist.broadcast(tensor, src=src, group=self.process_group)
-
-    def check_same(self, what, values):
-        """Fail fast, instead of hanging or training on garbage, if the ranks built different layouts."""
-        if self.fake:
-            return  # nobody else to compare with: the all-gather would return our own values at best
-        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
-        every = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(every, mine, group=self.process_group)  # not counted: start-up only
-        for r, theirs in enumerate(every.view(self.world_size, -1).tolist()):
-            if theirs != values:
-                raise RuntimeError(f"rank {r} has a different {what} than rank {self.rank} ({theirs} vs {values}): "
-                                   "every rank must build the same model with the same config")
+from comm import Comm  # the collectives, counted (and zero.Comm for callers that import it from here)
 
 # -----------------------------------------------------------------------------
 # The flat layout

@@ -1,0 +1,186 @@
+"""
+The simulated link (comm.py, [Note: simulated link]): its arithmetic, its queue, and the overlap it lets a
+step show. In-process, on torch's fake process group (rank 0 of world_size ranks, alone).
+
+    python -m pytest -q test_comm.py
+"""
+import math
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import comm
+import train
+import zero
+from model import GPT, GPTConfig
+
+MODEL = dict(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=97, bias=True, dropout=0.0)
+
+
+@pytest.fixture
+def fake_world():
+    """init(world_size): join the fake process group as rank 0; destroyed after the test."""
+    yield lambda world_size: dist.init_process_group('fake', rank=0, world_size=world_size, store=FakeStore())
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build(stage, model_kw=None, **zero_kw):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**MODEL, **(model_kw or {})}))
+    cfg = zero.ZeroConfig(stage=stage, param_dtype=torch.float32, **zero_kw)
+    return zero.build_engine(model, cfg, units=list(model.transformer.h), device=torch.device('cpu'))
+
+
+def step(engine, batch=2, seed=0):
+    cfg = engine.model.config
+    gen = torch.Generator().manual_seed(seed)
+    x, y = (torch.randint(cfg.vocab_size, (batch, cfg.block_size), generator=gen) for _ in range(2))
+    train.train_step(engine, [(x, y)], 1e-3, nullcontext())
+
+# -----------------------------------------------------------------------------
+# arithmetic
+
+
+def test_a_collective_takes_the_ring_time_and_an_all_reduce_twice_that():
+    link = comm.Link(bandwidth=10e9, latency=5e-6)
+    # 64 ranks, 1 MB: 63/64 * 1e6 B / 10e9 B/s = 98.4375 µs, + 63 steps * 5 µs = 315 µs
+    assert link.seconds('all_gather', 1_000_000, 64) == pytest.approx(413.4375e-6, rel=1e-12)
+    assert link.seconds('reduce_scatter', 1_000_000, 64) == pytest.approx(413.4375e-6, rel=1e-12)
+    assert link.seconds('all_reduce', 1_000_000, 64) == pytest.approx(826.875e-6, rel=1e-12)
+    assert link.seconds('all_gather', 1_000_000, 1) == 0.0  # one rank sends nothing
+
+
+def test_link_presets_and_custom_links_parse_and_bad_ones_say_how():
+    ib = comm.parse_link('ib400')
+    assert (ib.bandwidth, ib.latency) == (50e9, 5e-6)
+    custom = comm.parse_link('25,10')
+    assert (custom.bandwidth, custom.latency) == (25e9, 10e-6)
+    assert comm.parse_link('3.5').latency == 0.0
+    for bad in ('ib4000', '0,5', '-1', '10,-2', '1,2,3', 'nan'):
+        with pytest.raises(ValueError, match='BANDWIDTH_GBps'):
+            comm.parse_link(bad)
+
+
+def test_collectives_queue_on_one_link_and_wait_blocks_until_the_end():
+    clock = comm.VirtualClock(speedup=math.inf)  # no compute time: only the link's
+    link = comm.Link(bandwidth=1e9, latency=1e-6, clock=clock)
+    cpu = torch.device('cpu')
+    a = link.start('all_gather', 4_000_000, 4, cpu)  # 3/4 * 4e6 / 1e9 + 3e-6 = 3.003 ms
+    b = link.start('reduce_scatter', 8_000_000, 4, cpu)  # 6.003 ms, behind a
+    b.wait()
+    assert clock.now() == pytest.approx(9.006e-3, rel=1e-12)  # b ends after a and b, not after b alone
+    a.wait()  # already done: no more time
+    assert clock.now() == pytest.approx(9.006e-3, rel=1e-12)
+    assert link.blocked == {'reduce_scatter': pytest.approx(9.006e-3, rel=1e-12)}
+    assert link.busy == {'all_gather': pytest.approx(3.003e-3), 'reduce_scatter': pytest.approx(6.003e-3)}
+
+
+@pytest.mark.parametrize('stage', [1, 2, 3])
+def test_a_compute_free_step_takes_the_alpha_beta_time_exactly(fake_world, stage):
+    """With compute taking no time, a step lasts exactly the sum of its collectives' ring times: the link
+    is never idle. The oracle counts the collectives from the layout, not from what Comm counted."""
+    world_size, bandwidth, latency = 8, 2e9, 3e-6
+    fake_world(world_size)
+    engine = build(stage, bucket_mb=0.01)  # several buckets in stages 1/2
+    step(engine)  # warm-up: stage 3 records its forward order
+    clock = comm.VirtualClock(speedup=math.inf)
+    engine.comm.use_link(comm.Link(bandwidth, latency, clock=clock))
+    t0 = clock.now()
+    step(engine, seed=1)
+
+    def ring(nbytes):
+        return (world_size - 1) / world_size * nbytes / bandwidth + (world_size - 1) * latency
+    expected = 2 * ring(4)  # the grad norm's fp32 all-reduce
+    for b in engine.buckets:
+        expected += ring(4 * b.padded_numel)  # fp32 grads reduce-scattered
+        if stage < 3:
+            expected += ring(4 * b.padded_numel)  # the new params all-gathered after the step
+    if stage == 3:  # every unit gathered for forward, the blocks again for backward (resharded after forward)
+        expected += sum(ring(4 * u.bucket.padded_numel) * (1 if u.is_root else 2) for u in engine.units)
+    assert clock.now() - t0 == pytest.approx(expected, rel=1e-9)
+    assert sum(engine.comm.link.blocked.values()) == pytest.approx(expected, rel=1e-9)  # all of it exposed
+    assert sum(engine.comm.link.busy.values()) == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_link_needs_the_fake_process_group():
+    dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())
+    try:
+        with pytest.raises(ValueError, match='fake process group'):
+            comm.Comm().use_link(comm.parse_link('ib400'))
+    finally:
+        dist.destroy_process_group()
+
+# -----------------------------------------------------------------------------
+# overlap: compute on a clock of CPU time (one thread), so a busy machine's preemptions do not stretch it
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # process_time is then the compute's own time
+    yield
+    torch.set_num_threads(threads)
+
+
+class RecordingLink(comm.Link):
+    """The link, also recording the seconds each wait blocked, in order."""
+
+    def wait_until(self, kind, end):
+        before = sum(self.blocked.values())
+        super().wait_until(kind, end)
+        self.waits.append((kind, sum(self.blocked.values()) - before))
+
+
+def block_forward_seconds(engine, batch):
+    """The fastest block forward of a step, in CPU time, with no link (collectives take no time)."""
+    starts, times = {}, []
+    for block in engine.model.transformer.h:
+        block.register_forward_pre_hook(lambda m, a: starts.__setitem__(m, time.process_time()))
+        block.register_forward_hook(lambda m, a, o: times.append(time.process_time() - starts[m]))
+    step(engine, batch)
+    return min(times)
+
+
+@pytest.mark.parametrize('prefetch', [0, 1])
+def test_with_prefetch_an_all_gather_that_fits_under_a_block_exposes_nothing(fake_world, one_thread, prefetch):
+    """Stage 3 at prefetch=1: a block's all-gather is launched while the previous unit computes, so one that
+    takes a tenth of a block's forward is never waited for, in forward or backward, except the root's (nothing
+    runs before it) and the first block's (behind the root's on the link, with only an embedding lookup to hide
+    under). With prefetch=0 every all-gather is launched right before its wait: each one blocks."""
+    fake_world(8)
+    model_kw, batch = dict(n_layer=4, n_head=4, n_embd=128, block_size=64), 16
+    engine = build(3, model_kw, prefetch=prefetch)
+    step(engine, batch)  # warm-up: the forward order recorded
+    gather = 0.1 * block_forward_seconds(engine, batch)  # the time of one block's all-gather, by its latency
+    link = RecordingLink(bandwidth=1e15, latency=gather / 7, clock=comm.VirtualClock(source=time.process_time))
+    link.waits = []  # (7 ring steps at 8 ranks; the bytes take ~no time)
+    engine.comm.use_link(link)
+    step(engine, batch)
+    gathers = [blocked for kind, blocked in link.waits if kind == 'all_gather']
+    assert len(gathers) == 1 + 2 * model_kw['n_layer']  # the root once, each block in forward and in backward
+    if prefetch:
+        assert gathers[2:] == [0] * (len(gathers) - 2), gathers  # never waited for: hidden
+    else:  # (less the few µs of Python between a launch and its wait)
+        assert all(blocked > 0.5 * gather for blocked in gathers), gathers
+
+# -----------------------------------------------------------------------------
+# bench.py scale --link
+
+
+def test_bench_scale_with_a_link_prints_exposed_communication_per_kind():
+    cmd = [sys.executable, 'bench.py', 'scale', '--quick', '--world=64', '--link=ib400', '--kinds=zero2,zero3'] + [
+        f'--set={kv}' for kv in ('n_layer=2', 'n_head=2', 'n_embd=32', 'block_size=16', 'batch_size=2')]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [[c.strip() for c in line.strip('|').split('|')] for line in out.stdout.splitlines() if line.startswith('| ')]
+    link_rows = {r[0]: r for r in rows if len(r) > 1 and r[1] == 'ib400'}
+    assert list(link_rows) == ['zero2', 'zero3'], out.stdout
+    for kind, row in link_rows.items():
+        assert float(row[2]) > 0 and float(row[3]) > 0, row  # step ms with the link, compute alone
