@@ -211,7 +211,7 @@ def saved_by_autograd(model, x, y, autocast):
     return sum(saved.values())
 
 
-@pytest.mark.parametrize('L, C, V, T', [(2, 64, 512, 32), (3, 128, 256, 64), (1, 32, 2048, 16)])
+@pytest.mark.parametrize('L, C, V, T', [(2, 64, 512, 96), (3, 128, 256, 32), (1, 32, 2048, 64)])  # tokens = 2T != C
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_activation_formula_matches_what_autograd_saves_within_2_percent(L, C, V, T, dtype):
     torch.manual_seed(0)
