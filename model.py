@@ -203,14 +203,15 @@ class GPT(nn.Module):
 
 # -----------------------------------------------------------------------------
 # [Note: chunked loss head] The logits of a batch are B*T x vocab_size: 12 x 1024 x 50304 = 618M values, 2.5 GB in
-# fp32, more than the whole rest of GPT-2 124M's activations. A plain head keeps them (and their log-softmax) from
-# forward to backward. This one never holds more than one chunk of rows: for each chunk, the logits in the compute
-# dtype, the loss in fp32 (logsumexp - the target's logit) and, while the chunk is at hand, the grads: d loss /
-# d logits = (softmax - one_hot(target)) / count, which at once gives the chunk's share of the grads of x and of the
-# weight. Backward then only scales them by the incoming grad (the 1/micro-steps, a loss scale). The FLOPs are
-# those of the plain head (one matmul forward, two backward), nothing is recomputed; what is saved for backward is
-# the grad of x (B*T x C) and of the weight (vocab x C, fp32), not B*T x vocab. Under no_grad (evaluation) only the
-# loss is computed. The same head for every stage and for the oracles (torch DDP, FSDP2 run this file too).
+# fp32. A plain head keeps their fp32 log-softmax from forward to backward and adds two more tensors of that size as
+# backward starts (the grads of the log-probs and of the logits). This one never holds more than one chunk of rows:
+# for each chunk, the logits in the compute dtype, the loss in fp32 (logsumexp - the target's logit) and, while the
+# chunk is at hand, the grads: d loss / d logits = (softmax - one_hot(target)) / count, which at once gives the
+# chunk's share of the grads of x and of the weight. Backward then only scales them by the incoming grad (the
+# 1/micro-steps, a loss scale). The FLOPs are those of the plain head (one matmul forward, two backward), nothing
+# is recomputed; what is saved for backward is the grad of x (B*T x C) and of the weight (vocab x C, fp32), not
+# B*T x vocab. Under no_grad (evaluation) only the loss is computed. The same head for every stage and for the
+# oracles (torch DDP, FSDP2 run this file too).
 LOSS_CHUNK = 2**24  # logits per chunk (64 MiB in fp32): GPT-2's vocab -> 320 rows a chunk
 
 
