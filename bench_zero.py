@@ -6,7 +6,9 @@ same model, seed and batches, in one run (2 gloo ranks on CPU, config/shakespear
     torchrun --standalone --nproc_per_node=2 bench.py zero --rounds=10 --kinds=ddp,zero2,zero3,fsdp2
     torchrun --standalone --nproc_per_node=2 bench.py zero --config=config/shakespeare_cpu.py --set n_layer=8
 
-Per kind: the median step time (train.train_step at a fixed lr; the slowest rank) and its ratio to the torch
+Per kind: the median step time (what train.py's loop does per iteration at a fixed lr: train.train_batches, this
+rank's gradient_accumulation_steps / world micro-batches, then train.train_step; the slowest rank; ours and DDP built
+and, with --set compile=True, compiled by train.build) and its ratio to the torch
 baselines; the model-state bytes a rank holds, counted from tensors, and the peak of our transient bucket-sized
 buffers; for our stages, the communication time the step is blocked on ("exposed") against the same collectives
 issued alone without compute, hence the fraction of communication hidden behind compute. Kinds take turns,
@@ -17,7 +19,6 @@ profiler there). On GPUs, one per rank, NCCL, bf16 compute, GPT-2 124M (its conf
     torchrun --standalone --nproc_per_node=8 bench.py zero --config=config/gpt2_124m.py --rounds=5
 """
 import argparse
-import dataclasses
 import resource
 import sys
 import time
@@ -84,11 +85,13 @@ class TorchEngine:
 
 
 def build(kind, cfg, device):
-    model = GPT(GPTConfig(**train.model_args(cfg, train.vocab_size(cfg))), seed=cfg['seed']).to(device)  # the same weights
-    zcfg = train.zero_config(cfg)
+    """The engine of one kind: ours and DDP exactly as train.py builds them (train.build: on the meta device for
+    stages 1-3, compiled as train.py compiles them); torch's from the same weights, compiled alike."""
+    args = train.model_args(cfg, train.vocab_size(cfg))
     if kind == 'ddp' or kind.startswith('zero'):
-        stage = 0 if kind == 'ddp' else int(kind[-1])
-        return zero.build_engine(model, dataclasses.replace(zcfg, stage=stage), units=list(model.transformer.h))
+        return train.build({**cfg, 'zero_stage': 0 if kind == 'ddp' else int(kind[-1])}, device, args)[1]
+    model = GPT(GPTConfig(**args), seed=cfg['seed']).to(device)  # the same weights (meta init equals a plain GPT's)
+    zcfg = train.zero_config(cfg)
     adamw = dict(lr=cfg['learning_rate'], betas=(zcfg.beta1, zcfg.beta2), eps=zcfg.eps)
     if kind == 'ddp+zero_redundancy':
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -104,7 +107,10 @@ def build(kind, cfg, device):
             fully_shard(block, mesh=mesh, mp_policy=policy)
         module = fully_shard(model, mesh=mesh, mp_policy=policy)
         optimizer = torch.optim.AdamW(model.param_groups(zcfg.weight_decay), **adamw)  # of the DTensor params
-    return TorchEngine(module, model, optimizer, zcfg.grad_clip)
+    engine = TorchEngine(module, model, optimizer, zcfg.grad_clip)
+    if cfg['compile']:  # FSDP2 per unit, as our stage 3; DDP + ZeroRedundancyOptimizer whole, as our stages 0-2
+        train.compile_model(model, engine, per_unit=kind == 'fsdp2')
+    return engine
 
 
 def model_state_bytes(engine):
@@ -199,11 +205,14 @@ def bench_zero(args):
         raise ValueError(f"unknown kinds {sorted(set(kinds) - set(KINDS))}: choose from {','.join(KINDS)}")
     train.prepare_data(cfg, rank)
     data = train.load_split(train.data_dir(cfg), 'train')
-    drawn = [0]  # iterations drawn so far: every kind trains on the same batches
+    drawn = [0]  # iterations drawn so far: every kind trains on the same iterations' batches
 
     def draw(n):
         drawn[0] += n
-        return [train.train_batches(data, i, cfg, rank, world_size, device) for i in range(drawn[0] - n, drawn[0])]
+        return range(drawn[0] - n, drawn[0])
+
+    def step(engine, iteration):  # what train.py's loop does per iteration: this rank's micro-batches, then the step
+        return train.train_step(engine, train.train_batches(data, iteration, cfg, rank, world_size, device), lr, autocast)
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
     sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
     lr, clock = cfg['learning_rate'], CommClock()
@@ -217,11 +226,11 @@ def bench_zero(args):
     for kind, engine in engines.items():
         peak = [0]
         handles = meter_transient(engine, peak) if ours(engine) else []
-        for i, batches in enumerate(warm):
+        for i, iteration in enumerate(warm):
             clock.trace = [] if i == 1 and ours(engine) else None
             if hasattr(engine, 'comm'):
                 engine.comm.bytes.clear()  # ours count what they send, DataParallel's all-reduce included
-            loss, norm = train.train_step(engine, batches, lr, autocast)
+            loss, norm = step(engine, iteration)
             first.setdefault(kind, (loss.item(), norm))
         for h in handles:
             h.remove()
@@ -231,13 +240,13 @@ def bench_zero(args):
     steps = args.rounds * args.steps
     times, exposed, alone = (torch.zeros(len(kinds), n) for n in (steps, steps, args.rounds))  # seconds
     for r in range(args.rounds):
-        batches_r = draw(args.steps)
+        iterations = draw(args.steps)
         for k in [(r + i) % len(kinds) for i in range(len(kinds))]:  # rotate the order each round
             engine = engines[kinds[k]]
             dist.barrier()  # the ranks start each timed block together
-            for s, batches in enumerate(batches_r):
+            for s, iteration in enumerate(iterations):
                 clock.exposed, t0 = 0.0, time.perf_counter()
-                train.train_step(engine, batches, lr, autocast)
+                step(engine, iteration)
                 sync()
                 times[k, r * args.steps + s], exposed[k, r * args.steps + s] = time.perf_counter() - t0, clock.exposed
             dist.barrier()

@@ -16,6 +16,8 @@ import os
 
 import torch
 
+import model
+
 # -----------------------------------------------------------------------------
 # model states: the paper's model, and nanozero as configured
 
@@ -64,29 +66,36 @@ def communication(stage, psi, accum, cfg):
 
 def saved_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointing=False):
     """[Note: activation estimate] What autograd saves for backward in one micro-batch of `tokens` = B·T tokens,
-    with SDPA attention (no T x T scores kept) and no dropout. Per block, values per token per channel:
+    with SDPA attention (no T x T scores kept), no dropout, and model.py's chunked loss head (eager or compiled: the
+    same tensors). Per block, values per token per channel:
     ln_1 in 1, c_attn in 1, q k v 3 (views of c_attn's output), attention out 1 (SDPA writes it in (B, T, nh, hs)
     layout, so the transpose().contiguous() before c_proj is a no-op and c_proj saves that same storage),
     ln_2 in 1, c_fc in 1, GELU in 4, c_proj in 4: 16, of which the two layer-norm inputs are fp32 under autocast
-    on CUDA (layer_norm autocasts to fp32 there), the other 14 in the compute dtype. Then ln_f in (fp32) and
-    lm_head in, and per vocab entry the fp32 log-softmax the loss keeps (the logits themselves are not saved):
-        tokens * (n_layer * n_embd * (14a + 2*4) + n_embd * (a + 4) + 4 * vocab_size) bytes, a = compute dtype bytes.
+    on CUDA (layer_norm autocasts to fp32 there), the other 14 in the compute dtype. Then the head: ln_f's input and
+    the grad of ln_f's output (the head computes it in forward: [Note: chunked loss head] in model.py), both fp32
+    under CUDA autocast, and the fp32 grad of the tied lm_head weight, vocab x channels, whatever the batch:
+        tokens * (n_layer * n_embd * (14a + 2*4) + 2 * 4 * n_embd) + 4 * vocab_size * n_embd bytes, a = compute bytes.
+    No vocab-sized tensor per token is kept (a plain head keeps B·T x vocab fp32 log-probs: 4 * vocab_size a token).
     With activation checkpointing (fsdp_lite [Note: activation checkpointing]) a block saves only its input, 1 value
     per token per channel (a bytes: the residual stream is in the compute dtype at stages 1-3), in place of 14a + 8.
     Left out, < 1% at any real width: layer-norm means and rstds, attention logsumexps, the token ids.
-    On a CPU autocast runs layer_norm in bf16, so there this is 4 bytes per layer per channel per token high.
-    test_memory.py checks it against the bytes autograd really saves."""
+    On a CPU autocast runs layer_norm in the compute dtype, so there this is 4 - a bytes per layer-norm per channel
+    per token high. test_memory.py checks it against the bytes autograd really saves (within 2% on its tiny models)."""
     a = compute_bytes
-    return tokens * (n_layer * n_embd * (a if checkpointing else 14 * a + 2 * 4) + n_embd * (a + 4) + 4 * vocab_size)
+    return tokens * (n_layer * n_embd * (a if checkpointing else 14 * a + 2 * 4) + 2 * 4 * n_embd) + 4 * vocab_size * n_embd
 
 
 def activation_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointing=False):
-    """The activation peak, as backward starts: everything saved (saved_bytes), plus the fp32 grads of the
-    log-probs and of the logits, alive together while log-softmax's backward runs (8 bytes per vocab entry).
-    With checkpointing, the larger of that and one block recomputed (its 14a + 8 values) beside the saved inputs."""
-    saved = saved_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointing)
-    block = n_embd * (14 * compute_bytes + 2 * 4) if checkpointing else 0
-    return saved + tokens * max(vocab_size * 8, block)
+    """The activation peak: everything saved (saved_bytes), plus the largest transient: in forward one chunk of logits
+    (fp32, and its compute-dtype copy under bf16: model.loss_chunk_rows rows), at the start of backward the scaled
+    grads of x (fp32) and of the weight (fp32, and its cast to the params' dtype), and with checkpointing one block
+    recomputed (its 14a + 8 values per token per channel) beside the saved inputs."""
+    a = compute_bytes
+    rows = min(tokens, model.loss_chunk_rows(vocab_size))
+    chunk = rows * vocab_size * (4 + (a if a < 4 else 0))
+    backward = tokens * n_embd * 4 + vocab_size * n_embd * (4 + a)
+    block = tokens * n_embd * (14 * a + 2 * 4) if checkpointing else 0
+    return saved_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointing) + max(chunk, backward, block)
 
 
 def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, activations=0):

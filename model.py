@@ -176,21 +176,24 @@ class GPT(nn.Module):
         return n_params
 
     def forward(self, idx, targets=None):
+        """With targets: (None, the mean cross-entropy), computed by head() without ever holding the logits of the
+        whole batch. Without: (the logits of the last position (B, 1, vocab_size), None), for generation."""
         B, T = idx.size()
         assert T <= self.config.block_size, f"sequence of length {T} > block_size {self.config.block_size}"
         pos = torch.arange(0, T, dtype=torch.long, device=idx.device)  # (T,)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
             x = block(x)
-        x = self.transformer.ln_f(x)
         if targets is not None:
-            logits = self.lm_head(x)  # (B, T, vocab_size)
-            # the loss in fp32 whatever the compute dtype: bf16 log-softmax over 50k classes is lossy
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        else:
-            logits = self.lm_head(x[:, [-1], :])  # inference: only the last position, (B, 1, vocab_size)
-            loss = None
-        return logits, loss
+            return None, self.head(x, targets)
+        return self.lm_head(self.transformer.ln_f(x[:, [-1], :])), None  # inference: the last position only
+
+    def head(self, x, targets):
+        """ln_f, the tied lm_head and the mean cross-entropy over the targets (-1: ignored), in chunks of rows:
+        [Note: chunked loss head]. A method of its own so that a trainer can compile it apart from the rest."""
+        x = self.transformer.ln_f(x)
+        rows = loss_chunk_rows(self.config.vocab_size)
+        return linear_cross_entropy(x.view(-1, x.size(-1)), self.lm_head.weight, targets.view(-1), rows)
 
     @staticmethod
     def decays(param):
@@ -236,6 +239,73 @@ class GPT(nn.Module):
             idx_next = torch.multinomial(probs, num_samples=1)  # (B, 1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+
+# -----------------------------------------------------------------------------
+# [Note: chunked loss head] The logits of a batch are B*T x vocab_size: 12 x 1024 x 50304 = 618M values, 2.5 GB in
+# fp32. A plain head keeps their fp32 log-softmax from forward to backward and adds two more tensors of that size as
+# backward starts (the grads of the log-probs and of the logits). This one never holds more than one chunk of rows:
+# for each chunk, the logits in the compute dtype, the loss in fp32 (logsumexp - the target's logit) and, while the
+# chunk is at hand, the grads: d loss / d logits = (softmax - one_hot(target)) / count, which at once gives the
+# chunk's share of the grads of x and of the weight. Backward then only scales them by the incoming grad (the
+# 1/micro-steps, a loss scale). The FLOPs are those of the plain head (one matmul forward, two backward), nothing
+# is recomputed; what is saved for backward is the grad of x (B*T x C) and of the weight (vocab x C, fp32), not
+# B*T x vocab. Under no_grad (evaluation) only the loss is computed. The same head for every stage and for the
+# oracles (torch DDP, FSDP2 run this file too).
+LOSS_CHUNK = 2**24  # logits per chunk (64 MiB in fp32): GPT-2's vocab -> 320 rows a chunk
+
+
+def loss_chunk_rows(vocab_size):
+    return max(64, LOSS_CHUNK // vocab_size // 64 * 64)  # a multiple of 64 rows, for the matmuls
+
+
+def chunked_cross_entropy(x, weight, targets, rows, grads):
+    """x (N, C), weight (V, C), targets (N,) -> (mean loss over targets != -1, fp32; and with grads=True the grads
+    of that loss with respect to x (N, C, x's dtype) and weight (V, C, fp32)). The matmuls run in the autocast dtype
+    when autocast is on (as lm_head's would), else in x's."""
+    autocast = torch.is_autocast_enabled(x.device.type)
+    dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    w = weight.to(dtype)
+    valid = targets != -1
+    count = valid.sum()
+    loss = torch.zeros((), dtype=torch.float32, device=x.device)
+    grad_x = torch.empty_like(x) if grads else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if grads else None
+    for i in range(0, x.size(0), rows):
+        xi, yi, vi = x[i:i + rows].to(dtype), targets[i:i + rows].clamp(min=0), valid[i:i + rows]
+        logits = (xi @ w.t()).float()  # (rows, V): the only vocab-sized tensor, one chunk at a time
+        lse = torch.logsumexp(logits, dim=-1)  # (rows,)
+        loss += ((lse - logits.gather(1, yi[:, None]).squeeze(1)) * vi).sum()
+        if grads:  # (softmax - one_hot(target)) / count, written over the logits
+            g = logits.sub_(lse[:, None]).exp_()
+            g[torch.arange(g.size(0), device=g.device), yi] -= 1.0
+            g = g.mul_((vi / count)[:, None]).to(dtype)
+            grad_x[i:i + rows] = g @ w  # (rows, C)
+            grad_w += g.t() @ xi  # (V, C), accumulated in fp32 over the chunks
+    return loss / count, grad_x, grad_w
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """cross_entropy(x @ weight.T, targets) whose forward also computes the grads ([Note: chunked loss head])."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, rows):
+        loss, grad_x, grad_w = chunked_cross_entropy(x, weight, targets, rows, grads=True)
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        return grad_x * grad_loss, (grad_w * grad_loss).to(ctx.weight_dtype), None, None
+
+
+def linear_cross_entropy(x, weight, targets, rows):
+    """The mean cross-entropy of the logits x @ weight.T (N x V) against targets (-1: ignored), `rows` at a time."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return LinearCrossEntropy.apply(x, weight, targets, rows)
+    return chunked_cross_entropy(x, weight, targets, rows, grads=False)[0]
 
 
 def peak_flops(device):

@@ -83,7 +83,7 @@ stochastic_rounding = False  # with master_weights='none': round each update int
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
-compile = False  # torch.compile the model (stage 3: each block, its gathering hooks left outside)
+compile = False  # torch.compile the model (stage 3: each block and the loss head, the gathering hooks left outside)
 profile = False  # write a torch.profiler trace of iterations 2-4 to out_dir/trace_rank{r}.json
 seed = 1337
 # -----------------------------------------------------------------------------
@@ -327,14 +327,22 @@ def build(cfg, device, args):
     with torch.device('meta' if zcfg.stage > 0 else device):
         model = GPT(GPTConfig(**args), seed=cfg['seed'])
     engine = build_engine(model, zcfg, units=list(model.transformer.h), device=device)
-    if cfg['compile'] and zcfg.stage == 3:  # compile each block's forward; fsdp_lite's hooks run around it, eager
-        for block in model.transformer.h:
-            block.forward = torch.compile(block.forward)
-    elif cfg['compile']:
-        engine.module = torch.compile(engine.module)
+    if cfg['compile']:
+        compile_model(model, engine, per_unit=zcfg.stage == 3)
     if cfg['activation_checkpointing']:  # around the compiled blocks (stage 3), inside the compiled model (0-2)
         fsdp_lite.checkpoint_activations(model.transformer.h)
     return model, engine
+
+
+def compile_model(model, engine, per_unit):
+    """torch.compile the whole module, or (per_unit: stage 3, FSDP2) each block's forward and the loss head
+    (ln_f, lm_head, the loss: the root unit's own work), so that the gathering hooks run around them, eager."""
+    if not per_unit:
+        engine.module = torch.compile(engine.module)
+        return
+    for block in model.transformer.h:
+        block.forward = torch.compile(block.forward)
+    model.head = torch.compile(model.head)
 
 
 def main(cfg):

@@ -405,9 +405,8 @@ class Zero1:
                                absmax=self.absmax_of(b), rounding_seed=seed,
                                index_offset=b.flat_offset + self.comm.rank * b.shard_numel, impl=cfg.optimizer_impl)
             gathers.append(self.gather_params(b))  # async: the next bucket's step overlaps this gather
-        for work in gathers:
-            if work is not None:
-                work.wait()
+        for work in filter(None, gathers):  # stage 3 gathers in the next forward
+            work.wait()
         self.zero_grad()
         return grad_norm
 
@@ -442,11 +441,12 @@ class Zero2(Zero1):
         pass  # keep p.grad until the whole bucket is ready, then copy it into a fresh buffer
 
     def grad_buffer(self, b):
-        b.flat_grad = torch.zeros(b.padded_numel, dtype=self.cfg.reduce_dtype, device=self.device)
-        for p, view in b.views(b.flat_grad):
-            if p.grad is not None:  # None: no grad this micro-step (flush); zeros are sent for it
-                view.copy_(p.grad)
-                p.grad = None
+        # one cat writes every grad, cast to reduce_dtype, and the pads: no zero-fill pass, not a copy per param
+        b.flat_grad = torch.empty(b.padded_numel, dtype=self.cfg.reduce_dtype, device=self.device)
+        grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in b.params]  # None: flush
+        torch.cat(grads + [b.flat_grad.new_zeros(b.padded_numel - b.numel)], out=b.flat_grad)
+        for p in b.params:
+            p.grad = None
         self.live_grad_buffers += 1
         self.peak_grad_buffers = max(self.peak_grad_buffers, self.live_grad_buffers)
         return b.flat_grad
