@@ -524,6 +524,7 @@ def test_uint8_state_agrees_with_torchao_adamw8bit(monkeypatch):
 
 HOST_CUDA_PRELUDE = r"""
 #include <ucontext.h>
+#include <stdlib.h>
 #include <functional>
 #include <vector>
 #define __global__ static
@@ -551,6 +552,19 @@ static int block_vote;
 static void __syncthreads() { swapcontext(&fibers[current], &scheduler); }  // back to the scheduler until all arrive
 static int __syncthreads_or(int vote) { block_vote |= vote; __syncthreads(); return block_vote; }  // once per kernel
 static void fiber_main() { thread_body(); finished[current] = 1; }  // returning resumes uc_link: the scheduler
+
+// A warp shuffle with every lane of the warp taking part (mask 0xFFFFFFFF, the kernel's only use): each thread posts
+// its value, all wait, each reads its partner's (threadIdx ^ lane_mask, in the same warp), all wait again before the
+// slots are reused. The barriers are block-wide, more than a warp's own: the kernel calls it equally often in every warp.
+static float shuffle_slots[1024];
+static float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
+  if (mask != 0xFFFFFFFFu) abort();  // partial warps are not emulated
+  shuffle_slots[threadIdx.x] = value;
+  __syncthreads();
+  const float other = shuffle_slots[threadIdx.x ^ lane_mask];
+  __syncthreads();
+  return other;
+}
 
 template <class Kernel, class... Args>
 static void host_launch(Kernel kernel, unsigned grid, unsigned block, Args... args) {
