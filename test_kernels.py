@@ -599,7 +599,8 @@ static void fiber_main() { thread_body(); finished[current] = 1; }  // returning
 
 // A warp shuffle with every lane of the warp taking part (mask 0xFFFFFFFF, the kernel's only use): each thread posts
 // its value, all wait, each reads its partner's (threadIdx ^ lane_mask, in the same warp), all wait again before the
-// slots are reused. The barriers are block-wide, more than a warp's own: the kernel calls it equally often in every warp.
+// slots are reused. The barriers are block-wide, more than a warp's own; slots are per thread, so warps that shuffle
+// fewer times (idle ones) cannot disturb the others.
 static float shuffle_slots[1024];
 static float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
   if (mask != 0xFFFFFFFFu) abort();  // partial warps are not emulated

@@ -72,7 +72,7 @@ __global__ void adamw_block_kernel(const AdamWArgs a, bool vec) {
   __syncthreads();
   const int lane = threadIdx.x % 32;
   bool bad = false;
-  for (int round = 0; round < kRounds; ++round) {  // every warp runs every round: its shuffles need all 32 lanes
+  for (int round = 0; round < kRounds; ++round) {  // `active` is the same for the 32 lanes of a warp: whole-warp shuffles
     const int64_t block = ((int64_t)blockIdx.x * kRounds + round) * kWarps + threadIdx.x / 32;
     const bool active = block < a.n / 256;
     const int64_t i = block * 256 + (vec ? 8 * lane : lane);  // this lane's first element; the k-th: i + k * step
