@@ -207,8 +207,8 @@ def round_stochastic(x32, seed, step, index_offset=0):
 # the midpoints below the bucket, the bits above hold a threshold on the low 16 bits of xn, past which xn is above
 # the bucket's own midpoint too. Within a bucket the low 16 bits grow with the value (flipped for negatives: there
 # they grow with the magnitude), so code = (entry & 255) + (key(xn) >= entry >> 8), one gathered load and integer
-# compares. E.g. the unsigned midpoint 0.1 + 0.9 * 0.75/128 (0x3DD4C000... in bucket 0x3DD4) gives that bucket
-# below = its count and threshold 0xC001: xn = that midpoint (a tie) stays below, the next fp32 up goes above.
+# compares. E.g. the unsigned midpoint 240 is 0.9015625119 = 0x3F66CCCD: bucket 0x3F66 holds 240 below and the
+# threshold 0xCCCE, so xn = that midpoint (a tie) gets code 240 and the next fp32 up, 0x3F66CCCE, code 241.
 # A bucket without a midpoint has threshold 2^16, never reached. NaN buckets hold 255, as torch.searchsorted puts a
 # NaN above every midpoint (xn = x / absmax is never +-inf: an inf x makes absmax inf and xn NaN).
 
