@@ -20,7 +20,8 @@ bytes the step must move (30 B/elem) and the copy's read + write (8 B/elem); on 
 a read of each destination line before writing it, so there "of copy" can exceed 1.
 
 kernels --modes: for each n, the time of each storage-precision mode of kernels.adamw_step (kernels.py's docstring)
-as a ratio to the fp32-master step on the same n, with the bytes per element each one must move.
+as a ratio to the fp32-master step on the same n, with the bytes per element each one must move, and the fraction
+of the copy bandwidth those bytes reach (goal on GPU: >= 0.85 for every mode, 8-bit ones included).
 
 zero: see bench_zero.py (step time ratios, bytes per rank, exposed communication).
 scale: see bench_scale.py (estimated vs measured model states, peak memory, at any world size on one machine).
@@ -159,8 +160,12 @@ def bytes_moved(master, param, state, grad):
 
 def bench_modes(device, sizes, grad_dtype):
     impl = kernels.resolve_impl("auto", device)
-    print(f"device {device} | impl {impl} | grads {grad_dtype} | ratio: time / the first row's time on the same n")
-    print(f"{'n':>11} {'mode':<31} {'B/elem':>7} {'ms':>8} {'ratio':>6}")
+    copy_gbs = copy_bandwidth(device, max(sizes + [2**26]))  # >= 256 MB each way: bigger than any cache
+    print(f"device {device}" + (f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else
+          f" ({torch.cuda.get_device_name(device)})"), f"| impl {impl} | grads {grad_dtype}",
+          f"| copy bandwidth {copy_gbs:.1f} GB/s")
+    print("ratio: time / the first row's time on the same n; of copy: the mode's bytes / time, over the copy bandwidth")
+    print(f"{'n':>11} {'mode':<31} {'B/elem':>7} {'ms':>8} {'ratio':>6} {'of copy':>8}")
     hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     for n in sizes:
         n = n // 256 * 256  # int8 state works in blocks of 256
@@ -178,7 +183,9 @@ def bench_modes(device, sizes, grad_dtype):
         ms = time_ms(fns, device, repeats=max(10, min(100, 2**26 // n)))
         for name, master_dtype, param_dtype, state_dtype, _ in PRECISION_MODES:
             moved = bytes_moved(master_dtype, param_dtype, state_dtype, grad_dtype)
-            print(f"{n:>11,} {name:<31} {moved:>7.2f} {ms[name]:>8.2f} {ms[name] / ms[PRECISION_MODES[0][0]]:>6.2f}")
+            of_copy = moved * n / ms[name] / 1e6 / copy_gbs
+            print(f"{n:>11,} {name:<31} {moved:>7.2f} {ms[name]:>8.2f} {ms[name] / ms[PRECISION_MODES[0][0]]:>6.2f} "
+                  f"{of_copy:>8.2f}")
         del fns
 
 # ----------------------------------------------------------------------------

@@ -199,14 +199,18 @@ def round_stochastic(x32, seed, step, index_offset=0):
 # the lower). The step dequantizes (map[code] * absmax), updates in fp32 and uses the new fp32 m and v for the param
 # update (as torchao's AdamW8bit does), then requantizes. Worst error: half the largest gap between codes, times absmax.
 
-# [Note: a code in two loads]
-# The code of xn is the number of midpoints below it, and a binary search over the 255 midpoints costs 8 dependent
-# loads per element. Instead, group the fp32 values by their top 16 bits (sign, exponent, 7 fraction bits): 2^16
-# buckets, each 1/256 to 1/128 of its values wide. No bucket holds two midpoints (the closest two are 0.9/128 apart,
-# near 1, where a bucket is 1/256 wide; _buckets checks it), so a 64 KB table of the count below each bucket plus one
-# compare with the next midpoint is exact: code = buckets[bits(xn) >> 16] + (midpoints[that] < xn), with a +inf after
-# the last midpoint. NaN buckets hold 255, as torch.searchsorted puts a NaN above every midpoint (xn = x / absmax is
-# never +-inf: an inf x makes absmax inf and xn NaN).
+# [Note: a code in one load]
+# The code of xn is the number of midpoints below it; a binary search over the 255 midpoints costs 8 dependent loads
+# per element. Instead, group the fp32 values by their top 16 bits (sign, exponent, 7 fraction bits): 2^16 buckets,
+# each 1/256 to 1/128 of its values wide. No bucket holds two midpoints (the closest two are 0.9/128 apart, near 1,
+# where a bucket is 1/256 wide; _buckets checks it), so one int32 per bucket answers exactly: its low 8 bits count
+# the midpoints below the bucket, the bits above hold a threshold on the low 16 bits of xn, past which xn is above
+# the bucket's own midpoint too. Within a bucket the low 16 bits grow with the value (flipped for negatives: there
+# they grow with the magnitude), so code = (entry & 255) + (key(xn) >= entry >> 8), one gathered load and integer
+# compares. E.g. the unsigned midpoint 240 is 0.9015625119 = 0x3F66CCCD: bucket 0x3F66 holds 240 below and the
+# threshold 0xCCCE, so xn = that midpoint (a tie) gets code 240 and the next fp32 up, 0x3F66CCCE, code 241.
+# A bucket without a midpoint has threshold 2^16, never reached. NaN buckets hold 255, as torch.searchsorted puts a
+# NaN above every midpoint (xn = x / absmax is never +-inf: an inf x makes absmax inf and xn NaN).
 
 def dynamic_map(signed):
     """The 256 values of the 8-bit dynamic code, sorted ascending (fp32): [Note: 8-bit state]."""
@@ -234,24 +238,26 @@ def _midpoints(q):
 
 
 def _buckets(midpoints):
-    """(2^16,) uint8: how many midpoints lie below each bucket of the fp32 values that share their top 16 bits.
-    [Note: a code in two loads]"""
+    """(2^16,) int32: for each bucket of the fp32 values that share their top 16 bits, the midpoints below it, and the
+    threshold on the low 16 bits past which a value is above the one midpoint inside it. [Note: a code in one load]"""
     top = torch.arange(1 << 16)
     negative = top >= 0x8000  # there the smallest value has the largest low half
     lowest = _from_unsigned(torch.where(negative, top << 16 | 0xFFFF, top << 16), torch.float32)
     highest = _from_unsigned(torch.where(negative, top << 16, top << 16 | 0xFFFF), torch.float32)
     below = torch.searchsorted(midpoints, lowest)  # NaN buckets: 255, as for a NaN itself
-    assert (torch.searchsorted(midpoints, highest) - below).max() <= 1, "a bucket holds two midpoints"
-    return below.to(torch.uint8)
+    inside = torch.searchsorted(midpoints, highest) - below  # midpoints in [lowest, highest)
+    assert inside.max() <= 1, "a bucket holds two midpoints"
+    key = (_unsigned(midpoints[below.clamp(max=254)]) & 0xFFFF) ^ torch.where(negative, 0xFFFF, 0)
+    threshold = torch.where(inside == 1, key + 1, 1 << 16)  # key(xn) >= key(midpoint) + 1: xn above the midpoint
+    return (below | threshold << 8).to(torch.int32)
 
 
 @functools.lru_cache(maxsize=None)
 def _code_tables(device):
-    """The kernels' tables, on device: fp32 (1024,) = the signed and unsigned maps (256 each), then the midpoints of
-    each (255) followed by +inf; uint8 (2 * 2^16,) = the buckets of the signed, then the unsigned, midpoints."""
-    inf = torch.tensor([float("inf")])
+    """The kernels' tables, on device: fp32 (512,) = the signed and unsigned maps (256 each); int32 (2 * 2^16,) = the
+    buckets of the signed, then the unsigned, midpoints."""
     signed, unsigned = _midpoints(SIGNED_MAP), _midpoints(UNSIGNED_MAP)
-    return (torch.cat([SIGNED_MAP, UNSIGNED_MAP, signed, inf, unsigned, inf]).to(device),
+    return (torch.cat([SIGNED_MAP, UNSIGNED_MAP]).to(device),
             torch.cat([_buckets(signed), _buckets(unsigned)]).to(device))
 
 

@@ -34,33 +34,81 @@ __global__ void adamw_kernel(const AdamWArgs a, int64_t begin, int64_t end) {
   if (__syncthreads_or(bad) && threadIdx.x == 0) *a.found_inf = 1.0f;
 }
 
-// uint8 state: one 256-thread block per 256-element quantization block. [Note: 8-bit state]
-template <class G, class W>
-__global__ void adamw_block_kernel(const AdamWArgs a) {
-  using M = typename W::master_t; using P = typename W::param_t;
-  __shared__ float absmax[2][256];  // exp_avg's and exp_avg_sq's, reduced in place
-  const int t = threadIdx.x;
-  const int64_t block = blockIdx.x, i = block * 256 + t;
-  float m = dequantize(((const uint8_t*)a.exp_avg)[i], a.exp_avg_absmax[block], a.tables + SIGNED_MAP);
-  float v = dequantize(((const uint8_t*)a.exp_avg_sq)[i], a.exp_avg_sq_absmax[block], a.tables + UNSIGNED_MAP);
-  M master = get<M>(a.master, i);
-  P param = W::reads_param ? get<P>(a.param, i) : P{};
-  const float decay = i < a.decay_numel ? a.decay : 1.0f;
-  const bool bad = adamw_element<W>(a, i, decay, to_float(get<G>(a.grad, i)), m, v, master, param);
-  put(a.master, i, master); put(a.param, i, param);
-  absmax[0][t] = magnitude(m); absmax[1][t] = magnitude(v);
-  __syncthreads();
-  for (int half = 128; half > 0; half >>= 1) {  // 256 -> 128 -> ... -> 1; max is exact, so any order gives the CPU's
-    if (t < half) {
-      absmax[0][t] = fmaxf(absmax[0][t], absmax[0][t + half]);
-      absmax[1][t] = fmaxf(absmax[1][t], absmax[1][t + half]);
+// uint8 state: [Note: 8-bit state]. One warp per 256-element quantization block, its values in registers from the
+// load to the store: lane l holds elements 8l .. 8l + 7 (the codes as one 8-byte load, the other streams as 16- or
+// 32-byte loads) when every pointer is aligned for that (`vec`), else elements l, l + 32, ... (scalar, coalesced).
+// The block's new absmax is a warp shuffle reduction, the code maps sit in shared memory, the buckets are read
+// through the L1 cache: each block is read once and written once. A CUDA block is 8 warps, each taking 4
+// quantization blocks in turn, so that the maps are loaded into shared memory once per 8192 elements.
+constexpr int kWarps = 8, kRounds = 4;
+
+template <class T> __device__ __forceinline__ void load8(const void* p, int64_t i, bool vec, T (&x)[8]) {
+  if constexpr (!std::is_same<T, Empty>::value) {
+    if (vec) {
+      const Vec<T, 8> v = *(const Vec<T, 8>*)((const T*)p + i);
+      for (int k = 0; k < 8; ++k) x[k] = v.x[k];
+    } else {
+      for (int k = 0; k < 8; ++k) x[k] = ((const T*)p)[i + 32 * k];
     }
-    __syncthreads();
   }
-  ((uint8_t*)a.exp_avg)[i] = quantize(m, absmax[0][0], a.tables + SIGNED_MIDPOINTS, a.buckets + SIGNED_BUCKETS);
-  ((uint8_t*)a.exp_avg_sq)[i] = quantize(v, absmax[1][0], a.tables + UNSIGNED_MIDPOINTS, a.buckets + UNSIGNED_BUCKETS);
-  if (t == 0) { a.exp_avg_absmax[block] = absmax[0][0]; a.exp_avg_sq_absmax[block] = absmax[1][0]; }
-  if (__syncthreads_or(bad) && t == 0) *a.found_inf = 1.0f;
+}
+template <class T> __device__ __forceinline__ void store8(void* p, int64_t i, bool vec, const T (&x)[8]) {
+  if constexpr (!std::is_same<T, Empty>::value) {
+    if (vec) {
+      Vec<T, 8> v;
+      for (int k = 0; k < 8; ++k) v.x[k] = x[k];
+      *(Vec<T, 8>*)((T*)p + i) = v;
+    } else {
+      for (int k = 0; k < 8; ++k) ((T*)p)[i + 32 * k] = x[k];
+    }
+  }
+}
+
+template <class G, class W>
+__global__ void adamw_block_kernel(const AdamWArgs a, bool vec) {
+  using M = typename W::master_t; using P = typename W::param_t;
+  __shared__ float maps[512];  // SIGNED_MAP, UNSIGNED_MAP
+  for (int t = threadIdx.x; t < 512; t += blockDim.x) maps[t] = a.tables[t];
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  bool bad = false;
+  for (int round = 0; round < kRounds; ++round) {  // `active` is the same for the 32 lanes of a warp: whole-warp shuffles
+    const int64_t block = ((int64_t)blockIdx.x * kRounds + round) * kWarps + threadIdx.x / 32;
+    const bool active = block < a.n / 256;
+    const int64_t i = block * 256 + (vec ? 8 * lane : lane);  // this lane's first element; the k-th: i + k * step
+    const int step = vec ? 1 : 32;
+    float m[8], v[8], absmax_m = 0.0f, absmax_v = 0.0f;
+    if (active) {
+      uint8_t codes_m[8], codes_v[8]; G grad[8]; M master[8]; P param[8] = {};
+      load8(a.exp_avg, i, vec, codes_m); load8(a.exp_avg_sq, i, vec, codes_v); load8(a.grad, i, vec, grad);
+      load8(a.master, i, vec, master);
+      if constexpr (W::reads_param) load8(a.param, i, vec, param);
+      const float old_absmax_m = a.exp_avg_absmax[block], old_absmax_v = a.exp_avg_sq_absmax[block];
+      for (int k = 0; k < 8; ++k) {
+        m[k] = dequantize(codes_m[k], old_absmax_m, maps + SIGNED_MAP);
+        v[k] = dequantize(codes_v[k], old_absmax_v, maps + UNSIGNED_MAP);
+        const float decay = i + k * step < a.decay_numel ? a.decay : 1.0f;
+        bad |= adamw_element<W>(a, i + k * step, decay, to_float(grad[k]), m[k], v[k], master[k], param[k]);
+        absmax_m = fmaxf(absmax_m, magnitude(m[k])); absmax_v = fmaxf(absmax_v, magnitude(v[k]));
+      }
+      store8(a.master, i, vec, master); store8(a.param, i, vec, param);
+    }
+    for (int lanes = 16; lanes > 0; lanes >>= 1) {  // max is exact, so any order gives the CPU's absmax
+      absmax_m = fmaxf(absmax_m, __shfl_xor_sync(0xFFFFFFFFu, absmax_m, lanes));
+      absmax_v = fmaxf(absmax_v, __shfl_xor_sync(0xFFFFFFFFu, absmax_v, lanes));
+    }
+    if (active) {
+      uint8_t codes_m[8], codes_v[8];
+      const float scale_m = code_scale(absmax_m), scale_v = code_scale(absmax_v);
+      for (int k = 0; k < 8; ++k) {
+        codes_m[k] = quantize(m[k], scale_m, a.buckets + SIGNED_BUCKETS);
+        codes_v[k] = quantize(v[k], scale_v, a.buckets + UNSIGNED_BUCKETS);
+      }
+      store8(a.exp_avg, i, vec, codes_m); store8(a.exp_avg_sq, i, vec, codes_v);
+      if (lane == 0) { a.exp_avg_absmax[block] = absmax_m; a.exp_avg_sq_absmax[block] = absmax_v; }
+    }
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) *a.found_inf = 1.0f;
 }
 
 static bool aligned(const void* p, int bytes) { return (uintptr_t)p % bytes == 0; }
@@ -69,7 +117,12 @@ template <class G, class S, class W>
 static cudaError_t launch(const AdamWArgs& a, cudaStream_t stream) {
   const int threads = 256;
   if constexpr (std::is_same<S, uint8_t>::value) {
-    if (a.n > 0) adamw_block_kernel<G, W><<<(unsigned)(a.n / 256), threads, 0, stream>>>(a);
+    // e.g. n = 256 * 48: 48 quantization blocks -> 2 CUDA blocks, the second with 16 of its 32 slots used
+    const int64_t per_cuda_block = kWarps * kRounds;
+    const bool vec = aligned(a.grad, 8 * sizeof(G)) && aligned(a.exp_avg, 8) && aligned(a.exp_avg_sq, 8) &&
+                     aligned(a.master, 8 * sizeof(typename W::master_t)) && aligned(a.param, 8 * sizeof(typename W::param_t));
+    if (a.n > 0)
+      adamw_block_kernel<G, W><<<(unsigned)((a.n / 256 + per_cuda_block - 1) / per_cuda_block), threads, 0, stream>>>(a, vec);
   } else {
     // a shard view that starts at an odd offset takes the N = 1 path for all of it
     const bool vec_ok = aligned(a.grad, 4 * sizeof(G)) && aligned(a.exp_avg, 4 * sizeof(S)) &&

@@ -20,8 +20,8 @@ struct AdamWArgs {
   const void* grad;      // fp32 or bf16 (n,)
   void* exp_avg; void* exp_avg_sq;  // fp32, bf16 or uint8 codes (n,)
   float* exp_avg_absmax; float* exp_avg_sq_absmax;  // uint8 state: (n / 256,)
-  const float* tables;   // uint8 state: the maps and midpoints (kernels._code_tables)
-  const uint8_t* buckets;  // uint8 state: [Note: a code in two loads]
+  const float* tables;   // uint8 state: the signed and the unsigned code map (kernels._code_tables)
+  const int32_t* buckets;  // uint8 state: [Note: a code in one load]
   float* found_inf;      // (1,): set to 1.0 if any scaled grad is inf/nan, never reset
   int64_t n, decay_numel;  // elements [0, decay_numel) get weight decay
   int64_t index_offset;  // the shard's offset in the flat buffer, for the rounding hash
@@ -115,17 +115,27 @@ template <bool stochastic> struct NoMaster {  // the bf16 param is the only copy
 };
 
 // The moments: fp32 or bf16 (rounded to nearest-even) per element; uint8 per block, in the kernels' block paths,
-// with the code tables at these offsets in args.tables and args.buckets (kernels._code_tables)
-enum { SIGNED_MAP = 0, UNSIGNED_MAP = 256, SIGNED_MIDPOINTS = 512, UNSIGNED_MIDPOINTS = 768 };
+// with the code maps at these offsets in args.tables and the buckets in args.buckets (kernels._code_tables)
+enum { SIGNED_MAP = 0, UNSIGNED_MAP = 256 };
 enum { SIGNED_BUCKETS = 0, UNSIGNED_BUCKETS = 1 << 16 };
 HD void from_float(float x, float& out) { out = x; }
 HD void from_float(float x, bf16& out) { out = bf16_nearest_even(x); }
 HD float magnitude(float x) { const float y = fabsf(x); return y > 0.0f ? y : 0.0f; }  // NaN -> 0: absmax ignores it
-HD float dequantize(uint8_t code, float absmax, const float* map) { return map[code] * absmax; }
-HD uint8_t quantize(float x, float absmax, const float* midpoints, const uint8_t* buckets) {
-  const float xn = x / (absmax > 0.0f ? absmax : 1.0f);
-  const int below = buckets[bits_of(xn) >> 16];  // the midpoints below xn's bucket; at most one more is in it
-  return (uint8_t)(below + (midpoints[below] < xn));  // midpoints[255] is +inf
+// [Note: table lookups that vectorize] Both loops of the CPU block gather from tables. g++ emits a gather (16 lanes in
+// one instruction) only for a signed 32-bit offset computed in 32-bit lanes; an offset it can prove non-negative
+// (a uint8 code, the top half of a uint32) is widened to 64 bits and the "gather" becomes 16 scalar loads. So each
+// table is indexed from its middle by the same bits read as signed: code - 128 = (int8_t)(code ^ 0x80), made with
+// 32-bit shifts; bucket t - 32768 = (int16_t)(t ^ 0x8000). Same entries, about twice the speed (measured on AVX-512).
+HD float dequantize(uint8_t code, float absmax, const float* map) {
+  return (map + 128)[(int32_t)((uint32_t)code << 24 ^ 0x80000000u) >> 24] * absmax;
+}
+HD float code_scale(float absmax) { return absmax > 0.0f ? absmax : 1.0f; }  // an all-zero block divides by 1
+// The code of x / scale: the midpoints below its bucket, + 1 if its low 16 bits pass the bucket's threshold.
+HD uint8_t quantize(float x, float scale, const int32_t* buckets) {
+  const uint32_t b = bits_of(x / scale);
+  const int32_t entry = (buckets + 32768)[(int32_t)(b ^ 0x80000000u) >> 16];
+  const int32_t key = (int32_t)((b ^ (uint32_t)((int32_t)b >> 31)) & 0xFFFFu);  // negatives: low half flipped
+  return (uint8_t)((entry & 0xFF) + (key >= entry >> 8));
 }
 
 // The update of one element, in the reference's op order. Each op rounds once (the CPU build has -ffp-contract=off,
