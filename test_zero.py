@@ -16,6 +16,8 @@ import datetime
 import functools
 import math
 import os
+import subprocess
+import sys
 import tempfile
 from contextlib import nullcontext
 
@@ -36,6 +38,16 @@ LR, STEPS, B, T = 3e-3, 5, 2, 16
 
 # -----------------------------------------------------------------------------
 # the harness
+
+# [Note: the suite's device] Every test outside test_gpu.py (and test_kernels.py's 'cuda' cases) runs on the CPU
+# with gloo, whether the machine has a GPU or not. Nothing may take its device from the machine: torch FSDP2's
+# fully_shard without a mesh takes torch's accelerator, so on a GPU machine every rank of a spawn put its FSDP2
+# oracle on cuda:0, behind a gloo process group, and a rank died there with SIGSEGV (torch 2.11+cu130, one H100);
+# train.py's and sample.py's defaults pick cuda (and bfloat16, nccl) too. So the FSDP2 oracle gets a CPU mesh,
+# every train.py / sample.py the tests start names --device=cpu (and gloo), check_on_cpu stops a job whose tensors
+# left the CPU before its first collective, and test_the_cpu_tests_stay_on_cpu_and_gloo_when_a_gpu_is_present
+# replays the harness with torch answering as a GPU machine does.
+ON_CPU = ['--device=cpu', '--backend=gloo']  # every train.py the tests start (its default on a GPU: cuda, nccl)
 
 
 def _rank_main(rank, world_size, init_file, out_dir, jobs):
@@ -88,12 +100,14 @@ def make_engine(kind, model, grad_clip, param_dtype=torch.float32, **zero_kw):
     if kind == 'ddp_unused':  # the oracle for params that get no grad
         ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         return TorchEngine(ddp, model, grad_clip)
-    if kind == 'fsdp2':
+    if kind == 'fsdp2':  # on a CPU mesh, named: [Note: the suite's device]
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh('cpu', (dist.get_world_size(),))
         mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for block in model.transformer.h:
-            fully_shard(block, mp_policy=mp_policy)
-        fully_shard(model, mp_policy=mp_policy)
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         return TorchEngine(model, model, grad_clip)
     stage = {'ddp': 0, 'zero1': 1, 'zero2': 2, 'zero3': 3}[kind]
     cfg = zero.ZeroConfig(stage=stage, param_dtype=param_dtype, grad_clip=grad_clip, **zero_kw)
@@ -108,6 +122,16 @@ def tiny_model(rank, model_kw=None, frozen_and_unused=False, mismatch=False, met
         model.transformer.h[0].attn.c_proj.weight.requires_grad_(False)
         model.transformer.h[1].mlp.unused = torch.nn.Parameter(torch.randn(5))  # never gets a grad
     return model
+
+
+def check_on_cpu(kind, model):
+    """Before any collective: a CPU job whose tensors went to a GPU fails here with a line naming them, instead of
+    crashing a rank in a gloo collective on CUDA memory. [Note: the suite's device]"""
+    elsewhere = sorted({f'{n} on {t.device}' for n, t in [*model.named_parameters(), *model.named_buffers()]
+                        if t.device.type != 'cpu'})
+    if elsewhere:
+        raise RuntimeError(f"{kind}: the CPU harness put {len(elsewhere)} tensors off the CPU ({elsewhere[0]}, ...): "
+                           "name the CPU where it was left to torch (a mesh, a device)")
 
 
 def full_params(engine, model):
@@ -137,6 +161,7 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
         for p in model.parameters():
             torch.nn.init.constant_(p, init_value)
     engine = make_engine(kind, model, grad_clip, **zero_kw)
+    check_on_cpu(kind, model)
     init_values = engine.flat_param.float().unique().tolist() if init_value is not None else None
     if compile:
         for block in model.transformer.h:
@@ -311,6 +336,36 @@ def test_peak_flops_by_gpu_name(monkeypatch, name, flops):
 
 # -----------------------------------------------------------------------------
 # data parallelism against the oracles
+
+
+AS_ON_A_GPU_MACHINE = """
+import torch
+torch.cuda.is_available = lambda: True  # what torch answers on a GPU machine, where train.py's defaults,
+torch.cuda.is_bf16_supported = lambda *a, **k: True  # sample.py's and FSDP2's mesh ask
+torch._C._get_accelerator = lambda: torch.device('cuda')
+"""
+
+
+def test_the_cpu_tests_stay_on_cpu_and_gloo_when_a_gpu_is_present(tmp_path):
+    # [Note: the suite's device]: in a process where torch says a GPU is there, the harness's FSDP2 oracle trains on
+    # the CPU, and every train.py command the tests build still says cpu and gloo
+    code = AS_ON_A_GPU_MACHINE + f"""
+import torch.distributed as dist
+import test_checkpoint, test_train, test_zero, train
+assert train.DEFAULTS['device'] == 'cuda' and train.DEFAULTS['dtype'] == 'bfloat16'  # the GPU machine's defaults
+dist.init_process_group('gloo', init_method='file://{tmp_path}/init', rank=0, world_size=1)
+result = test_zero.run_job(0, 1, 'fsdp2', accum=1, steps=1)
+assert {{t.device.type for t in result['params'].values()}} == {{'cpu'}}
+for cmd in (test_train.torchrun_cmd(2), test_checkpoint.torchrun_cmd(2)):
+    cfg = train.parse_config(cmd[cmd.index('train.py') + 1:])
+    backend = cfg['backend'] or ('nccl' if cfg['device'] == 'cuda' else 'gloo')  # train.setup_distributed's rule
+    assert (cfg['device'], backend) == ('cpu', 'gloo'), (cmd, cfg['device'], backend)
+dist.destroy_process_group()
+print('stayed on cpu')
+"""
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert out.returncode == 0 and 'stayed on cpu' in out.stdout, out.stderr[-3000:]
 
 
 def test_ddp_on_two_ranks_matches_one_process_with_the_same_global_batch():
