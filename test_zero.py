@@ -272,16 +272,24 @@ def assert_same_run(a, b, rtol=1e-5, atol=1e-6, param_atol=2e-6):
 
 @functools.lru_cache(maxsize=None)
 def oracle_runs(world_size):
-    """One spawn per world size: the oracles and every stage, with and without accumulation."""
+    """One spawn per world size: the oracles and every stage, with and without accumulation. A spawn that dies (a
+    rank killed by a signal) is returned, not raised: the tests that need it fail at once, not by spawning it again."""
     accums = (world_size, 2 * world_size)  # 1 and 2 micro-steps per rank
     jobs = [dict(kind=kind, accum=a) for a in accums for kind in ('ddp', 'zero1', 'zero2', 'zero3', 'fsdp2')]
     jobs += [dict(kind='zero3', accum=accums[1], prefetch=d, reshard_after_forward=r) for d in (0, 2) for r in (True, False)]
     jobs += [dict(kind=k, accum=accums[1], bucket_mb=0.001) for k in ('zero1', 'zero2')]  # one param per bucket
-    return {tuple(sorted(job.items())): result for job, result in zip(jobs, run_ranks(world_size, jobs))}
+    try:
+        results = run_ranks(world_size, jobs)
+    except Exception as e:
+        return e
+    return {tuple(sorted(job.items())): result for job, result in zip(jobs, results)}
 
 
 def get(world_size, **job):
-    result = oracle_runs(world_size)[tuple(sorted(job.items()))]
+    runs = oracle_runs(world_size)
+    if isinstance(runs, Exception):
+        raise AssertionError(f"the spawn of {world_size} ranks died (every test of its oracle runs fails)") from runs
+    result = runs[tuple(sorted(job.items()))]
     if isinstance(result, Exception):
         raise AssertionError(f"job {job} failed on rank 0 at world size {world_size}") from result
     return result
