@@ -437,7 +437,9 @@ def test_zero3_prefetch_launches_the_next_units_all_gathers_before_computing_and
 
 def test_zero3_compiled_blocks_equal_eager_and_do_not_recompile():
     eager, compiled = run_ranks(2, [dict(kind='zero3', accum=4, compile=c) for c in (False, True)])
-    assert_same_run(compiled, eager, rtol=1e-4, atol=1e-6)
+    # params 4e-6: under torch 2.11's inductor one element (h.2.mlp.c_proj.weight) ends 2.7e-6 from eager, losses
+    # equal, norms 1.2e-7 apart: the same Adam magnification of a reordered sum as assert_same_run's 2e-6
+    assert_same_run(compiled, eager, rtol=1e-4, atol=1e-6, param_atol=4e-6)
     assert compiled['graphs_after_first_step'] == compiled['graphs'] == 1  # one graph serves every block and step
 
 
