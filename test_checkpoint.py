@@ -36,7 +36,7 @@ import sample
 import train
 import zero
 from model import GPT, GPTConfig
-from test_zero import assert_same_run
+from test_zero import ON_CPU, assert_same_run
 
 SMALL = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2', '--eval_iters=2']
 CFG = train.parse_config(['config/shakespeare_char.py', *SMALL, '--keep_last=100'])
@@ -386,10 +386,13 @@ def test_partial_checkpoints_are_ignored_and_removed_by_the_next_save(tmp_path):
 # train.py under torchrun: resume, restarts, consolidate, sample.py, errors
 
 
+def torchrun_cmd(nproc, *args, restarts=0):
+    return [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
+            f'--max-restarts={restarts}', 'train.py', 'config/shakespeare_char.py', *ON_CPU, *SMALL, '--log_interval=1', *args]
+
+
 def torchrun(nproc, *args, restarts=0, env=()):
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}',
-           f'--max-restarts={restarts}', 'train.py', 'config/shakespeare_char.py', *SMALL, '--log_interval=1', *args]
-    launch = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    launch = subprocess.Popen(torchrun_cmd(nproc, *args, restarts=restarts), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                               env={**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', **dict(env)})
     try:
         stdout, stderr = launch.communicate(timeout=300)
@@ -492,7 +495,7 @@ def test_consolidated_stage3_checkpoint_loads_strict_and_gives_the_sharded_eval_
 def test_sample_py_prints_text_from_a_consolidated_file_and_from_a_checkpoint_directory(tmp_path):
     resumed, _ = resumed_on_3_ranks_at_stage_3()
     checkpoint.consolidate(resumed, str(tmp_path / 'model.pt'))
-    common = ['--start=ROMEO:', '--num_samples=1', '--max_new_tokens=100']
+    common = ['--start=ROMEO:', '--num_samples=1', '--max_new_tokens=100', '--device=cpu']
     runs = [subprocess.Popen([sys.executable, 'sample.py', source, *common], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for source in (f'--ckpt={tmp_path}/model.pt', f'--out_dir={resumed}')]
     outs = [r.communicate(timeout=120) for r in runs]
@@ -581,7 +584,7 @@ def test_train_py_reports_a_bad_checkpoint_in_one_line_and_exits_1(tmp_path):
     for how in ERRORS:
         out_dir, message = broken(tmp_path / how.replace(' ', '_'), how)
         args = [f'--out_dir={out_dir}', '--init_from=resume'] + (['--n_layer=3'] if how == 'another model' else [])
-        runs.append((message, subprocess.Popen([sys.executable, 'train.py', 'config/shakespeare_char.py', *SMALL, *args],
+        runs.append((message, subprocess.Popen([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *SMALL, *args],
                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
     for message, r in runs:
         stdout, stderr = r.communicate(timeout=120)

@@ -477,3 +477,18 @@ def test_bench_modes_prints_a_finite_fraction_of_copy_bandwidth_for_every_mode()
     assert [row[12:43].strip() for row in rows] == [mode[0] for mode in bench.PRECISION_MODES]
     of_copy = [float(row.split()[-1]) for row in rows]
     assert all(0.0 < f < 2.0 for f in of_copy), of_copy  # a GPU copy moves each byte once: no mode can beat it by 2x
+
+# -----------------------------------------------------------------------------
+# --- issue 21: the CPU suite on a GPU machine
+
+from test_zero import assert_same_run, run_ranks  # noqa: E402
+
+
+@cuda_only
+def test_the_cpu_harness_keeps_its_fsdp2_oracle_on_the_cpu_beside_a_gpu():
+    # the spawn that died with SIGSEGV when fully_shard took cuda:0 for both ranks behind gloo
+    fsdp2, ddp = run_ranks(2, [dict(kind=k, accum=4) for k in ('fsdp2', 'ddp')])
+    for result in (fsdp2, ddp):
+        assert not isinstance(result, Exception), result
+    assert {t.device.type for t in fsdp2['params'].values()} == {'cpu'}
+    assert_same_run(fsdp2, ddp)

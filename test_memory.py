@@ -347,7 +347,7 @@ def test_the_profiler_is_stopped_after_the_fourth_iteration(tmp_path):
 
 def test_bench_scale_prints_a_row_per_kind_and_counts_what_the_estimator_says():
     cmd = [sys.executable, 'bench.py', 'scale', '--quick', '--world=64'] + [
-        f'--set={kv}' for kv in ('n_layer=2', 'n_head=2', 'n_embd=32', 'block_size=16', 'batch_size=2')]
+        f'--set={kv}' for kv in ('device=cpu', 'n_layer=2', 'n_head=2', 'n_embd=32', 'block_size=16', 'batch_size=2')]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=QUIET)
     assert out.returncode == 0, out.stderr[-3000:]
     table = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip('|').split('|')]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels import Precision
-from test_zero import assert_same_run, run_ranks, tiny_model
+from test_zero import ON_CPU, assert_same_run, run_ranks, tiny_model
 
 BF16 = dict(param_dtype=torch.bfloat16, accum=4, steps=8)
 MODES = {'remainder': Precision('remainder'), 'none': Precision('none'), 'bf16 state': Precision(state_dtype='bfloat16'),
@@ -111,7 +111,7 @@ def test_every_rank_starts_from_the_params_as_their_owners_store_them(stage):
 
 def test_a_risky_combination_is_named_once_on_rank_0(tmp_path):
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
-           'config/shakespeare_char.py', '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2',
+           'config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2',
            '--eval_iters=2', '--max_iters=2', '--eval_interval=10', '--dtype=bfloat16', '--master_weights=none',
            '--state_dtype=int8', f'--out_dir={tmp_path}']
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

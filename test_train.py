@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import train
+from test_zero import ON_CPU
 
 # -----------------------------------------------------------------------------
 # the config
@@ -74,11 +75,15 @@ def test_prepare_tokenizes_a_users_text_with_gpt2_bpe(tmp_path):
 # train.py end to end
 
 
+def torchrun_cmd(nproc, *args):
+    return [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}', 'train.py',
+            'config/shakespeare_cpu.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16',
+            '--batch_size=2', '--eval_iters=2', '--log_interval=1', *args]
+
+
 def torchrun(nproc, *args):
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}', 'train.py',
-           'config/shakespeare_cpu.py', '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2',
-           '--eval_iters=2', '--log_interval=1', *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    out = subprocess.run(torchrun_cmd(nproc, *args), capture_output=True, text=True, timeout=300,
+                         env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
@@ -92,7 +97,8 @@ def test_train_py_logs_nanogpt_lines_saves_and_resumes(tmp_path, stage):
     resumed = torchrun(2, *common, '--max_iters=5', '--init_from=resume')
     assert 'step 3: train loss ' in resumed and 'iter 5: loss ' in resumed and 'iter 1:' not in resumed
     wrong = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=1',
-                            'train.py', 'config/shakespeare_cpu.py', f'--out_dir={tmp_path}', '--init_from=resume', '--n_layer=2'],
+                            'train.py', 'config/shakespeare_cpu.py', *ON_CPU, f'--out_dir={tmp_path}', '--init_from=resume',
+                            '--n_layer=2'],
                            capture_output=True, text=True, timeout=300)
     assert wrong.returncode != 0 and 'saved by another model: n_layer=1 (the config says 2)' in wrong.stderr
 
@@ -101,7 +107,8 @@ def test_bench_zero_runs_every_kind_from_the_same_first_step():
     # the benchmark is a claim too: it must run all six kinds, and with the same weights and batches their
     # first step must agree (fp32), or the ratios compare different work
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'bench.py', 'zero',
-           '--rounds=1'] + [f'--set={kv}' for kv in ('n_layer=2', 'n_head=2', 'n_embd=32', 'block_size=16', 'batch_size=2')]
+           '--rounds=1'] + [f'--set={kv}' for kv in ('device=cpu', 'backend=gloo', 'n_layer=2', 'n_head=2', 'n_embd=32',
+                                                     'block_size=16', 'batch_size=2')]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split('|')[1].strip() for line in out.stdout.splitlines() if line.startswith('| ') and 'kind' not in line]

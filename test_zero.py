@@ -16,6 +16,8 @@ import datetime
 import functools
 import math
 import os
+import subprocess
+import sys
 import tempfile
 from contextlib import nullcontext
 
@@ -38,6 +40,16 @@ LR, STEPS, B, T = 3e-3, 5, 2, 16
 
 # -----------------------------------------------------------------------------
 # the harness
+
+# [Note: the suite's device] Every test outside test_gpu.py (and test_kernels.py's 'cuda' cases) runs on the CPU
+# with gloo, whether the machine has a GPU or not. Nothing may take its device from the machine: torch FSDP2's
+# fully_shard without a mesh takes torch's accelerator, so on a GPU machine every rank of a spawn put its FSDP2
+# oracle on cuda:0, behind a gloo process group, and a rank died there with SIGSEGV (torch 2.11+cu130, one H100);
+# train.py's and sample.py's defaults pick cuda (and bfloat16, nccl) too. So the FSDP2 oracle gets a CPU mesh,
+# every train.py / sample.py the tests start names --device=cpu (and gloo), check_on_cpu stops a job whose tensors
+# left the CPU before its first collective, and test_the_cpu_tests_stay_on_cpu_and_gloo_when_a_gpu_is_present
+# replays the harness with torch answering as a GPU machine does.
+ON_CPU = ['--device=cpu', '--backend=gloo']  # every train.py the tests start (its default on a GPU: cuda, nccl)
 
 
 def _rank_main(rank, world_size, init_file, out_dir, jobs):
@@ -90,12 +102,14 @@ def make_engine(kind, model, grad_clip, param_dtype=torch.float32, **zero_kw):
     if kind == 'ddp_unused':  # the oracle for params that get no grad
         ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         return TorchEngine(ddp, model, grad_clip)
-    if kind == 'fsdp2':
+    if kind == 'fsdp2':  # on a CPU mesh, named: [Note: the suite's device]
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh('cpu', (dist.get_world_size(),))
         mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for block in model.transformer.h:
-            fully_shard(block, mp_policy=mp_policy)
-        fully_shard(model, mp_policy=mp_policy)
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         return TorchEngine(model, model, grad_clip)
     stage = {'ddp': 0, 'zero1': 1, 'zero2': 2, 'zero3': 3}[kind]
     cfg = zero.ZeroConfig(stage=stage, param_dtype=param_dtype, grad_clip=grad_clip, **zero_kw)
@@ -110,6 +124,16 @@ def tiny_model(rank, model_kw=None, frozen_and_unused=False, mismatch=False, met
         model.transformer.h[0].attn.c_proj.weight.requires_grad_(False)
         model.transformer.h[1].mlp.unused = torch.nn.Parameter(torch.randn(5))  # never gets a grad
     return model
+
+
+def check_on_cpu(kind, model):
+    """Before any collective: a CPU job whose tensors went to a GPU fails here with a line naming them, instead of
+    crashing a rank in a gloo collective on CUDA memory. [Note: the suite's device]"""
+    elsewhere = sorted({f'{n} on {t.device}' for n, t in [*model.named_parameters(), *model.named_buffers()]
+                        if t.device.type != 'cpu'})
+    if elsewhere:
+        raise RuntimeError(f"{kind}: the CPU harness put {len(elsewhere)} tensors off the CPU ({elsewhere[0]}, ...): "
+                           "name the CPU where it was left to torch (a mesh, a device)")
 
 
 def full_params(engine, model):
@@ -142,6 +166,7 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
         for p in model.parameters():
             torch.nn.init.constant_(p, init_value)
     engine = make_engine(kind, model, grad_clip, **zero_kw)
+    check_on_cpu(kind, model)
     if growth_interval:
         engine.scaler.growth_interval = growth_interval
     init_values = engine.flat_param.float().unique().tolist() if init_value is not None else None
@@ -255,16 +280,24 @@ def assert_same_run(a, b, rtol=1e-5, atol=1e-6, param_atol=2e-6):
 
 @functools.lru_cache(maxsize=None)
 def oracle_runs(world_size):
-    """One spawn per world size: the oracles and every stage, with and without accumulation."""
+    """One spawn per world size: the oracles and every stage, with and without accumulation. A spawn that dies (a
+    rank killed by a signal) is returned, not raised: the tests that need it fail at once, not by spawning it again."""
     accums = (world_size, 2 * world_size)  # 1 and 2 micro-steps per rank
     jobs = [dict(kind=kind, accum=a) for a in accums for kind in ('ddp', 'zero1', 'zero2', 'zero3', 'fsdp2')]
     jobs += [dict(kind='zero3', accum=accums[1], prefetch=d, reshard_after_forward=r) for d in (0, 2) for r in (True, False)]
     jobs += [dict(kind=k, accum=accums[1], bucket_mb=0.001) for k in ('zero1', 'zero2')]  # one param per bucket
-    return {tuple(sorted(job.items())): result for job, result in zip(jobs, run_ranks(world_size, jobs))}
+    try:
+        results = run_ranks(world_size, jobs)
+    except Exception as e:
+        return e
+    return {tuple(sorted(job.items())): result for job, result in zip(jobs, results)}
 
 
 def get(world_size, **job):
-    result = oracle_runs(world_size)[tuple(sorted(job.items()))]
+    runs = oracle_runs(world_size)
+    if isinstance(runs, Exception):
+        raise AssertionError(f"the spawn of {world_size} ranks died (every test of its oracle runs fails)") from runs
+    result = runs[tuple(sorted(job.items()))]
     if isinstance(result, Exception):
         raise AssertionError(f"job {job} failed on rank 0 at world size {world_size}") from result
     return result
@@ -349,6 +382,37 @@ def test_peak_flops_by_gpu_name(monkeypatch, name, flops):
 
 # -----------------------------------------------------------------------------
 # data parallelism against the oracles
+
+
+AS_ON_A_GPU_MACHINE = """
+import torch
+torch.cuda.is_available = lambda: True  # what torch answers on a GPU machine, where train.py's defaults,
+torch.cuda.is_bf16_supported = lambda *a, **k: True  # sample.py's and FSDP2's mesh ask
+torch._C._get_accelerator = lambda: torch.device('cuda')
+"""
+
+
+def test_the_cpu_tests_stay_on_cpu_and_gloo_when_a_gpu_is_present(tmp_path):
+    # [Note: the suite's device]: in a process where torch says a GPU is there, the harness builds its FSDP2 oracle
+    # on the CPU, and every train.py command the tests build still says cpu and gloo
+    code = AS_ON_A_GPU_MACHINE + f"""
+import torch.distributed as dist
+import test_checkpoint, test_train, test_zero, train
+assert train.DEFAULTS['device'] == 'cuda' and train.DEFAULTS['dtype'] == 'bfloat16'  # the GPU machine's defaults
+dist.init_process_group('gloo', init_method='file://{tmp_path}/init', rank=0, world_size=1)
+model = test_zero.tiny_model(0)  # built, not stepped: torch.optim itself would ask the (absent) GPU for its stream
+test_zero.make_engine('fsdp2', model, grad_clip=0.05)
+test_zero.check_on_cpu('fsdp2', model)
+for cmd in (test_train.torchrun_cmd(2), test_checkpoint.torchrun_cmd(2)):
+    cfg = train.parse_config(cmd[cmd.index('train.py') + 1:])
+    backend = cfg['backend'] or ('nccl' if cfg['device'] == 'cuda' else 'gloo')  # train.setup_distributed's rule
+    assert (cfg['device'], backend) == ('cpu', 'gloo'), (cmd, cfg['device'], backend)
+dist.destroy_process_group()
+print('stayed on cpu')
+"""
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert out.returncode == 0 and 'stayed on cpu' in out.stdout, out.stderr[-3000:]
 
 
 def test_ddp_on_two_ranks_matches_one_process_with_the_same_global_batch():
