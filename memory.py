@@ -146,6 +146,21 @@ def pick_stage(estimates, limit_bytes):
                   f"{budget / 1e9:.3g} GB = {1 - HEADROOM:.0%} of {limit_bytes / 1e9:.3g} GB {verdict}")
 
 
+def lowest_stage_that_fits(model, zcfg, world, tokens, limit_bytes, checkpointing):
+    """zero_stage='auto': (the lowest stage that fits or None, the one-line reasoning, a hint for when none fits). It
+    says when activation checkpointing is what makes the stage fit, or would make one fit."""
+    psi, c = sum(p.numel() for p in model.parameters()), model.config
+
+    def pick(ck):
+        activations = activation_bytes(c.n_layer, c.n_embd, c.vocab_size, tokens, zcfg.param_dtype.itemsize, ck)
+        return pick_stage(stage_estimates(psi, world, zcfg, activations, *unit_sizes(model, model.transformer.h)), limit_bytes)
+    (stage, line), (other, _) = pick(checkpointing), pick(not checkpointing)
+    if checkpointing and stage is not None and (other is None or other > stage):
+        line += f"; activation_checkpointing=True is what makes stage {stage} fit (without it: {'none' if other is None else other})"
+    hint = f"activation_checkpointing=True (then stage {other} fits), " if stage is None and other is not None else ''
+    return stage, line, hint
+
+
 def device_memory_bytes(device, memory_gb=0.0):
     """What one rank may use: on a GPU what torch.cuda.mem_get_info reports free; on a CPU memory_gb if set,
     else the machine's RAM divided among the ranks on this machine."""

@@ -298,24 +298,13 @@ def zero_config(cfg):
 
 
 def choose_stage(cfg, device, world_size, args):
-    """zero_stage='auto': the lowest stage whose model states + transients + activations fit (memory.py), and whether
-    activation checkpointing is what makes it fit."""
+    """zero_stage='auto': the lowest stage whose model states + transients + activations fit (memory.py)."""
     with torch.device('meta'):
         model = GPT(GPTConfig(**args))
-    zcfg = zero_config({**cfg, 'zero_stage': 1})
-    psi = sum(p.numel() for p in model.parameters())
-    limit = memory.device_memory_bytes(device, cfg['memory_gb'])
-
-    def pick(checkpointing):
-        activations = memory.activation_bytes(args['n_layer'], args['n_embd'], args['vocab_size'],
-                                              cfg['batch_size'] * cfg['block_size'], zcfg.param_dtype.itemsize, checkpointing)
-        return memory.pick_stage(memory.stage_estimates(psi, world_size, zcfg, activations,
-                                                        *memory.unit_sizes(model, model.transformer.h)), limit)
-    (stage, line), (other, _) = pick(cfg['activation_checkpointing']), pick(not cfg['activation_checkpointing'])
-    if cfg['activation_checkpointing'] and stage is not None and (other is None or other > stage):
-        line += f"; activation_checkpointing=True is what makes stage {stage} fit (without it: {'none' if other is None else other})"
+    stage, line, hint = memory.lowest_stage_that_fits(
+        model, zero_config({**cfg, 'zero_stage': 1}), world_size, cfg['batch_size'] * cfg['block_size'],
+        memory.device_memory_bytes(device, cfg['memory_gb']), cfg['activation_checkpointing'])
     if stage is None:
-        hint = f"activation_checkpointing=True (then stage {other} fits), " if other is not None else ''
         raise ValueError(f"{line}: use {hint}more ranks, a smaller batch_size or block_size, or set memory_gb")
     return stage, line
 
@@ -453,8 +442,7 @@ def profiler_step(profiler, cfg, log):
     if profiler.step_num < 4:
         return profiler
     profiler.stop()
-    log(f"profiler trace of iterations 2-4: {cfg['out_dir']}/trace_rank{{r}}.json (open in https://ui.perfetto.dev "
-        "or chrome://tracing)")
+    log(f"profiler trace of iterations 2-4: {cfg['out_dir']}/trace_rank{{r}}.json (open in https://ui.perfetto.dev)")
     return None
 
 
