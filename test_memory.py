@@ -308,7 +308,9 @@ def test_compiled_stage_3_peaks_no_higher_than_compiled_stage_2(tmp_path):
                                                                     '--n_embd=64', '--n_head=2']), nprocs=2)
         peaks[stage] = torch.load(tmp_path / 'peak.pt')
     assert peaks[3] <= peaks[2], peaks
-    assert peaks[2] < 0.6 * 340e6, peaks  # and no vocab-sized fp32 tensor per token left in either (160 MB each)
+    # and no vocab-sized fp32 tensor per token left in either: 160 MB each under torch 2.13, 224 MB under 2.11, whose
+    # inductor holds ~64 MB more (about one chunk of logits, model.LOSS_CHUNK); the plain head peaked at 340 and 443 MB
+    assert peaks[2] < 0.7 * 340e6, peaks
 
 
 # -----------------------------------------------------------------------------
