@@ -107,8 +107,6 @@ def jobs():
                 for i, (k, (s, args)) in enumerate(PRECISION.items())})
     out['profile'] = functools.partial(train, 'profile', *TINY, '--zero_stage=3', '--profile=True')
     out['resume chain'] = resume_chain
-    out['bench kernels'] = functools.partial(run, 'bench kernels', 'kernels', '--modes', '--sizes=1M',
-                                             f"--device={'cuda' if GPU else 'cpu'}", script='bench.py', config=None)
     bench_set = [f'--set={kv}' for kv in ('n_layer=2', 'n_head=2', 'n_embd=64', 'block_size=64', 'batch_size=2')]
     out['bench zero'] = functools.partial(run, 'bench zero', 'zero', '--rounds=1', *bench_set, *(
         ['--set=device=cuda', '--set=dtype=bfloat16'] if GPU else []), script='bench.py', torchrun=True)
@@ -224,13 +222,6 @@ def test_a_stage_3_checkpoint_resumes_at_stage_2_consolidates_and_samples():
 
 # -----------------------------------------------------------------------------
 # the benchmarks, quick forms: they run and print their figures
-
-
-def test_bench_kernels_modes_prints_every_mode():
-    log = ok('bench kernels')
-    assert ('impl cuda' in log) == GPU
-    rows = [line for line in log.splitlines() if re.match(r'\s*1,048,576 ', line)]
-    assert len(rows) >= 10 and all(all(math.isfinite(float(x)) for x in re.findall(r'\s(\d+\.\d+)', r)) for r in rows), log
 
 
 def test_bench_zero_times_every_kind():
