@@ -12,6 +12,7 @@ table prints next to the bytes counted from the tensors, so the two cannot disag
 """
 import argparse
 import dataclasses
+import math
 import os
 
 import torch
@@ -101,18 +102,21 @@ class Activations:
 
 
 def activations(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointing=False):
-    """The pieces of [Note: the peak] from saved_bytes ([Note: activation estimate]) and model.py's chunked loss head:
-    in forward a chunk's logits are fp32 (and the matmul's output in the compute dtype a < 4 beside them), and the
-    previous chunk's logits (its g) are still bound while the next chunk's logits and logsumexp's temporary of their
-    size are made: 3 fp32 chunks; or one chunk (and g in the compute dtype) beside g.t() @ xi, vocab x C in a bytes."""
+    """The pieces of [Note: the peak] from saved_bytes ([Note: activation estimate]) and model.py's chunked loss head.
+    In the head's forward the previous chunk's logits (fp32, and its g in the compute dtype a < 4) are still bound while
+    the next chunk's fp32 logits and logsumexp's temporary of their size are made (the last chunk may be short); or one
+    chunk beside g.t() @ xi, vocab x C in a bytes. A block's backward adds ~8 values per token and channel of grads of
+    its activations (the MLP's hidden ones, 4C wide) to its saved tensors."""
     a, C, V = compute_bytes, n_embd, vocab_size
     saved = saved_bytes(n_layer, C, V, tokens, a, checkpointing)
     head = saved_bytes(0, C, V, tokens, a)  # tokens * 2 * 4 * C + 4 * V * C
     per_block = tokens * C * (a if checkpointing else 14 * a + 2 * 4)
     rows = min(tokens, model.loss_chunk_rows(V))
+    last = tokens - (math.ceil(tokens / rows) - 1) * rows  # rows of the last chunk
     low = a if a < 4 else 0  # a compute-dtype copy of a chunk, where the compute dtype is not fp32
-    forward = max(rows * V * (3 * 4 + low), rows * V * (4 + low) + V * C * a)
-    block = per_block + (tokens * C * (14 * a + 2 * 4) if checkpointing else 0)
+    chunks = max(2 * 4 * rows, (4 + low) * rows + 2 * 4 * (rows if tokens > 2 * rows else last) if tokens > rows else 0)
+    forward = V * max(chunks, rows * (4 + low) + C * a)
+    block = per_block + (tokens * C * (14 * a + 2 * 4) if checkpointing else 0) + tokens * C * 8 * a
     return Activations(blocks=saved - head, others=saved - head - per_block, block=block, head=head, forward=forward,
                        backward=tokens * C * 4 + V * C * 4)
 
