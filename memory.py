@@ -140,7 +140,8 @@ def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, act=NO_ACTI
     block's own saved tensors and its grads as autograd made them (param_dtype) beside the grad buffer they are copied
     into ([Note: one grad buffer]; a stage 2 bucket holds bucket_mb of grads or one larger param: counted as a whole
     block, an over-count of up to 2/3 of a block's grads).
-    (D) the root's backward, activations gone: the embedding's grad beside the pending one, the root's grad buffer.
+    (D) the root's backward, activations gone: the embedding's grad beside the pending one (autograd sums them in place),
+    then their sum beside the root's grad buffer (stages 2/3; stage 1 adds it into the full flat_grad).
     Stage 3 also holds gathered units, less their own shards where a gathered unit frees them (fsdp_lite [Note: a
     gathered unit holds its shard once]): the root from its forward to the end of backward; in (B) the `prefetch`
     blocks the root's pre-backward gathers, in (C) prefetch + 1 blocks; every block, without reshard_after_forward.
@@ -154,7 +155,7 @@ def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, act=NO_ACTI
     moments = {'A': act.blocks + act.head + act.forward + share * (root_numel + kept),
                'B': act.blocks + act.head + act.backward + cast + share * (root_numel + max(kept, cfg.prefetch * block_numel)),
                'C': act.others + pending + max(act.block, bucket * (p + r)) + share * (root_numel + max(kept, (cfg.prefetch + 1) * block_numel)),
-               'D': 2 * pending + (root_numel * r if stage > 1 else 0) + share * root_numel}
+               'D': 2 * pending + share * root_numel}
     return max(moments.values())
 
 
