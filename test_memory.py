@@ -392,8 +392,8 @@ for overrides in json.loads(sys.argv[1]):  # rank 0 of 8 (the fake process group
 """
 
 PEAK_SHAPES = {  # each with a different worst moment of [Note: the peak]
-    'head forward: chunks of logits beside the weight grad': ['config/shakespeare_cpu.py', '--zero_stage=3', '--n_layer=2',
-                                                               '--n_embd=64', '--n_head=2', '--batch_size=4', '--block_size=128'],
+    'head forward: 3 chunks of logits, the root gathered': ['config/shakespeare_cpu.py', '--zero_stage=3', '--n_layer=2',
+                                                            '--n_embd=256', '--n_head=4', '--batch_size=8', '--block_size=128'],
     'first block backward: gathered blocks, grads and buffer': ['config/shakespeare_char.py', '--zero_stage=3', '--n_layer=3',
                                                                 '--n_embd=256', '--n_head=4', '--batch_size=1', '--block_size=64'],
     'stage 2, checkpointed: a recomputed block': ['config/shakespeare_char.py', '--zero_stage=2', '--n_layer=4', '--n_embd=128',
