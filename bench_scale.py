@@ -117,17 +117,17 @@ def measure(kind, cfg, world_size, quick, build_only=False, link_specs=(), speed
     data = train.load_split(train.data_dir(cfg), 'train')
     args = train.model_args(cfg, train.vocab_size(cfg))
     sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)
-    runtime = torch.cuda.memory_allocated(device) if device.type == 'cuda' else proc_status_bytes('VmRSS')
+    runtime = torch.cuda.memory_allocated(device) if device.type == 'cuda' else None  # CPU: between steps, below
     t_build = time.perf_counter()  # build time: from model construction to the first step (initial values included)
     model, engine = build_fsdp2(cfg, device, args, world_size) if kind == 'fsdp2' else train.build(cfg, device, args)
     sync()
     build_s = time.perf_counter() - t_build
     zcfg = train.zero_config(cfg)  # fsdp2 runs with zero_stage=3: it holds what our stage 3 holds, 16Ψ/N
     estimate = memory.model_states(zcfg.stage, engine.psi, world_size, zcfg)
-    activations = memory.activation_bytes(cfg['n_layer'], cfg['n_embd'], args['vocab_size'], cfg['batch_size'] * cfg['block_size'],
-                                          zcfg.param_dtype.itemsize, cfg['activation_checkpointing'])
+    act = memory.activations(cfg['n_layer'], cfg['n_embd'], args['vocab_size'], cfg['batch_size'] * cfg['block_size'],
+                             zcfg.param_dtype.itemsize, cfg['activation_checkpointing'])
     peak_estimate = sum(b for _, b in estimate.values()) + memory.transient_bytes(
-        zcfg.stage, zcfg, *memory.unit_sizes(model, model.transformer.h), engine.psi, world_size, activations)
+        zcfg.stage, zcfg, *memory.unit_sizes(model, model.transformer.h), engine.psi, world_size, act)
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
 
     # warm-up: optimizer state allocated (FSDP2's lazily), stage 3's forward order recorded; our transient
@@ -141,6 +141,8 @@ def measure(kind, cfg, world_size, quick, build_only=False, link_specs=(), speed
         h.remove()
     sync()
     build_peak = peak_bytes(device)
+    if runtime is None:  # CPU: the RSS no tensor of ours explains, once a step has loaded the kernels and threads
+        runtime = proc_status_bytes('VmRSS') - states_after_step(engine)
     reset_peak(device)
     times = []
     links = [comm.parse_link(spec, link_clock(device, speedup)) for spec in link_specs] if bench_zero.ours(engine) else []
@@ -277,15 +279,20 @@ NOTES = """\
 - peak during steps: after 2 warm-up steps (--quick: 1), the high-water mark over the timed steps; on CPU of the process's
   RSS (VmHWM after writing 5 to /proc/self/clear_refs; MALLOC_MMAP_THRESHOLD_=65536, so freed buffers leave the
   RSS), on CUDA torch.cuda.max_memory_allocated. process: the same from the start (model building included).
-  runtime: the RSS (CUDA: memory allocated) before the model is built, part of both peaks: torch, the data.
+  runtime: what the peaks hold beside our tensors. On CPU: the RSS between the warm-up and the timed
+  steps less the tensors alive then (after step): torch's code and threads, the data, the allocator's small-block
+  heap; measured before the model is built it is ~60 MB smaller (kernels' code, thread pools, autograd's threads
+  come with the first step). On CUDA: memory allocated before the model is built.
 - our transient peak: stage 2/3 bucket grad buffers + stage 3 unsharded units live at once, sampled during warm-up at
   every grad and every unit's forward (a moment between two samples is missed: the root's grad buffer while the root
   is still unsharded). Not counted: autograd's .grad before it is copied into a bucket. pads: elements of padding in
   the flat layout, the whole of measured/estimated - 1 for ours (fsdp2 pads each param's dim 0 to a multiple of N).
 - peak estimated: memory.transient_bytes ([Note: the peak]) on top of the model states: states + the buffers and
-  activations alive at the worst moment of backward (activation_bytes, with activation_checkpointing as configured).
-  It leaves out the runtime (torch's own RSS, the data: measured before the model is built), so it is compared with
-  the peak during steps less the runtime.
+  activations alive at the worst of four moments of a micro-step (memory.activations, with activation_checkpointing as
+  configured). It counts tensors only, so it is compared with the peak during steps less the runtime. Left out: a
+  block's backward temporaries beyond ~8 values per token and channel, allocator slack, RSS pages of freed small
+  blocks; measured with the profiler's CPU memory events on GPT-2 1.5B (rank 0 of 64): 1,823 MB allocated at the peak
+  (the last block's grad buffer, its grads, 2 blocks and the root gathered, the pending embedding grad) vs 1,824 estimated.
 - build: wall time from the model's construction (on the meta device) to the first step: initial values drawn,
   shards and optimizer state allocated (fsdp2: its to_empty and our init_param on its local shards).
 - step: median wall time of the timed steps; collectives cost nothing here (fake process group)."""

@@ -12,6 +12,7 @@ table prints next to the bytes counted from the tensors, so the two cannot disag
 """
 import argparse
 import dataclasses
+import math
 import os
 
 import torch
@@ -85,35 +86,77 @@ def saved_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointin
     return tokens * (n_layer * n_embd * (a if checkpointing else 14 * a + 2 * 4) + 2 * 4 * n_embd) + 4 * vocab_size * n_embd
 
 
+@dataclasses.dataclass
+class Activations:
+    """One micro-batch's activation bytes, in the pieces that [Note: the peak] adds up moment by moment."""
+    blocks: int  # saved by every block from its forward to its backward (their inputs alone with checkpointing)
+    others: int  # the part of `blocks` that the other blocks hold while one block runs its backward
+    block: int  # the most the block under backward holds of its saved tensors (recomputed ones too with checkpointing)
+    head: int  # saved by the loss head: ln_f's input, the grads of x (fp32) and of the tied weight (fp32, vocab x C)
+    forward: int  # the head's transients in forward: logits chunks, or a chunk beside the weight grad's matmul output
+    backward: int  # the head's backward: the grads of x and of the weight scaled by the incoming grad (fp32)
+
+    def peak(self):
+        """The model's own activation peak, no ZeRO buffers: the head's forward or backward, or a block's backward."""
+        return self.blocks + max(self.head + max(self.forward, self.backward), self.block - (self.blocks - self.others))
+
+
+def activations(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointing=False):
+    """The pieces of [Note: the peak] from saved_bytes ([Note: activation estimate]) and model.py's chunked loss head.
+    In the head's forward the previous chunk's logits (fp32, and its g in the compute dtype a < 4) are still bound while
+    the next chunk's fp32 logits and logsumexp's temporary of their size are made (the last chunk may be short); or one
+    chunk beside g.t() @ xi, vocab x C in a bytes. A block's backward adds ~8 values per token and channel of grads of
+    its activations (the MLP's hidden ones, 4C wide) to its saved tensors."""
+    a, C, V = compute_bytes, n_embd, vocab_size
+    saved = saved_bytes(n_layer, C, V, tokens, a, checkpointing)
+    head = saved_bytes(0, C, V, tokens, a)  # tokens * 2 * 4 * C + 4 * V * C
+    per_block = tokens * C * (a if checkpointing else 14 * a + 2 * 4)
+    rows = min(tokens, model.loss_chunk_rows(V))
+    last = tokens - (math.ceil(tokens / rows) - 1) * rows  # rows of the last chunk
+    low = a if a < 4 else 0  # a compute-dtype copy of a chunk, where the compute dtype is not fp32
+    chunks = max(2 * 4 * rows, (4 + low) * rows + 2 * 4 * (rows if tokens > 2 * rows else last) if tokens > rows else 0)
+    forward = V * max(chunks, rows * (4 + low) + C * a)
+    block = per_block + (tokens * C * (14 * a + 2 * 4) if checkpointing else 0) + tokens * C * 8 * a
+    return Activations(blocks=saved - head, others=saved - head - per_block, block=block, head=head, forward=forward,
+                       backward=tokens * C * 4 + V * C * 4)
+
+
 def activation_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointing=False):
-    """The activation peak: everything saved (saved_bytes), plus the largest transient: in forward one chunk of logits
-    (fp32, and its compute-dtype copy under bf16: model.loss_chunk_rows rows), at the start of backward the scaled
-    grads of x (fp32) and of the weight (fp32, and its cast to the params' dtype), and with checkpointing one block
-    recomputed (its 14a + 8 values per token per channel) beside the saved inputs."""
-    a = compute_bytes
-    rows = min(tokens, model.loss_chunk_rows(vocab_size))
-    chunk = rows * vocab_size * (4 + (a if a < 4 else 0))
-    backward = tokens * n_embd * 4 + vocab_size * n_embd * (4 + a)
-    block = tokens * n_embd * (14 * a + 2 * 4) if checkpointing else 0
-    return saved_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointing) + max(chunk, backward, block)
+    """The model's own activation peak (Activations.peak), for printing: [Note: the peak] adds the ZeRO buffers."""
+    return activations(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointing).peak()
 
 
-def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, activations=0):
-    """[Note: the peak] Buffers that live only during backward, plus the activations, at the worse of two moments.
-    (1) The first block's backward: all activations; the root unit's tied embedding grad pending (the lm_head's
-    backward comes first, the embedding's last: autograd holds it, root_numel at most); the block's own grads as
-    autograd made them (param_dtype) beside the bucket-sized grad buffer they are copied into ([Note: one grad
-    buffer]; a stage 2 bucket holds bucket_mb of grads, or a param larger than that); stage 3 also holds prefetch + 1
-    gathered blocks and the root unit (kept gathered from its forward to the end of backward), less their own shards
-    where a gathered unit frees them (fsdp_lite [Note: a gathered unit holds its shard once]). (2) The root's
-    backward, activations gone: the embedding's grad beside the pending one, their sum, the root's grad buffer."""
+NO_ACTIVATIONS = Activations(0, 0, 0, 0, 0, 0)
+
+
+def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, act=NO_ACTIVATIONS):
+    """[Note: the peak] Bytes on top of the model states at the worst of four moments of a micro-step (measured with
+    the profiler's CPU memory events on GPT-2 1.5B and a 4 x 256 GPT at rank 0 of 64; bench_scale checks the sum):
+    (A) the head's forward, last chunks: every block's saved tensors, the head's, its forward transients.
+    (B) the head's backward: the same, plus the scaled grads of x and of the weight and, where params are not fp32, the
+    weight grad's cast to their dtype. That cast is the tied embedding's grad from here on: autograd holds it until the
+    embedding's backward, the last, adds its own (root_numel at most).
+    (C) the first block's backward: the other blocks' saved tensors, the pending embedding grad, and the worse of the
+    block's own saved tensors and its grads as autograd made them (param_dtype) beside the grad buffer they are copied
+    into ([Note: one grad buffer]; a stage 2 bucket holds bucket_mb of grads or one larger param: counted as a whole
+    block, an over-count of up to 2/3 of a block's grads).
+    (D) the root's backward, activations gone: the embedding's grad beside the pending one (autograd sums them in place),
+    then their sum beside the root's grad buffer (stages 2/3; stage 1 adds it into the full flat_grad).
+    Stage 3 also holds gathered units, less their own shards where a gathered unit frees them (fsdp_lite [Note: a
+    gathered unit holds its shard once]): the root from its forward to the end of backward; in (B) the `prefetch`
+    blocks the root's pre-backward gathers, in (C) prefetch + 1 blocks; every block, without reshard_after_forward.
+    Not modelled: a block's backward temporaries (grads of its activations: a few values per token and channel), the
+    all-gather input's cast, stage 0's bf16 copy of fp32 params under autocast, allocator slack."""
     r, p = cfg.reduce_dtype.itemsize, cfg.param_dtype.itemsize if stage > 0 else 4  # stage 0: DDP's fp32 params
-    bucket = {0: 0, 1: 0, 2: min(psi, max(cfg.bucket_mb * 2**20 // r, block_numel, root_numel)), 3: block_numel}[stage]
-    lent = 1 / world if cfg.precision.master_dtype(cfg.param_dtype) != torch.float32 else 0
-    gathered = [0, 0] if stage < 3 else [((cfg.prefetch + 1) * block_numel + root_numel) * p * (1 - lent), root_numel * p * (1 - lent)]
-    first_block = activations + root_numel * p + bucket * (p + r) + gathered[0]
-    root = 2 * root_numel * p + (root_numel * r if stage > 1 else 0) + gathered[1]
-    return max(first_block, root)
+    bucket = {0: 0, 1: 0, 2: min(psi, max(cfg.bucket_mb * 2**20 // r, block_numel)), 3: block_numel}[stage]
+    share = (1 - 1 / world if cfg.precision.master_dtype(cfg.param_dtype) != torch.float32 else 1) * p * (stage == 3)
+    kept = 0 if cfg.reshard_after_forward else psi - root_numel  # blocks gathered from forward to backward
+    pending, cast = root_numel * p, root_numel * p if p < 4 else 0
+    moments = {'A': act.blocks + act.head + act.forward + share * (root_numel + kept),
+               'B': act.blocks + act.head + act.backward + cast + share * (root_numel + max(kept, cfg.prefetch * block_numel)),
+               'C': act.others + pending + max(act.block, bucket * (p + r)) + share * (root_numel + max(kept, (cfg.prefetch + 1) * block_numel)),
+               'D': 2 * pending + share * root_numel}
+    return max(moments.values())
 
 
 def stage_config(cfg, stage):
@@ -121,14 +164,14 @@ def stage_config(cfg, stage):
     return dataclasses.replace(cfg, stage=stage, **({'precision': type(cfg.precision)()} if stage == 0 else {}))
 
 
-def stage_estimates(psi, world, cfg, activations, block_numel, root_numel):
+def stage_estimates(psi, world, cfg, act, block_numel, root_numel):
     """stage -> bytes per rank: model states + transients + activations. Stage 0 only with the default precision:
     the precision modes are ZeRO's fused step, which torch AdamW cannot honour."""
     out = {}
     for stage in (0, 1, 2, 3) if cfg.precision == type(cfg.precision)() else (1, 2, 3):
         c = stage_config(cfg, stage)
         states = sum(b for _, b in model_states(stage, psi, world, c).values())
-        out[stage] = states + transient_bytes(stage, c, block_numel, root_numel, psi, world, activations)
+        out[stage] = states + transient_bytes(stage, c, block_numel, root_numel, psi, world, act)
     return out
 
 
@@ -152,8 +195,8 @@ def lowest_stage_that_fits(model, zcfg, world, tokens, limit_bytes, checkpointin
     psi, c = sum(p.numel() for p in model.parameters()), model.config
 
     def pick(ck):
-        activations = activation_bytes(c.n_layer, c.n_embd, c.vocab_size, tokens, zcfg.param_dtype.itemsize, ck)
-        return pick_stage(stage_estimates(psi, world, zcfg, activations, *unit_sizes(model, model.transformer.h)), limit_bytes)
+        act = activations(c.n_layer, c.n_embd, c.vocab_size, tokens, zcfg.param_dtype.itemsize, ck)
+        return pick_stage(stage_estimates(psi, world, zcfg, act, *unit_sizes(model, model.transformer.h)), limit_bytes)
     (stage, line), (other, _) = pick(checkpointing), pick(not checkpointing)
     if checkpointing and stage is not None and (other is None or other > stage):
         line += f"; activation_checkpointing=True is what makes stage {stage} fit (without it: {'none' if other is None else other})"
@@ -272,19 +315,19 @@ def main(argv):
                              defaults={**train.DEFAULTS, 'dtype': 'bfloat16'})  # the GPU default
     zcfg = train.zero_config(cfg) if cfg['zero_stage'] != 'auto' else train.zero_config({**cfg, 'zero_stage': 1})
     accum = max(1, cfg['gradient_accumulation_steps'] // args.world)
-    psi, activations, block, root = args.params, None, 0, 0
+    psi, act, block, root = args.params, None, 0, 0
     if args.config:
         with torch.device('meta'):
             model = GPT(GPTConfig(**train.model_args(cfg, train.vocab_size(cfg))))
         psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
         block, root = unit_sizes(model, model.transformer.h)
-        activations = activation_bytes(cfg['n_layer'], cfg['n_embd'], model.config.vocab_size,
-                                       cfg['batch_size'] * cfg['block_size'], zcfg.param_dtype.itemsize, cfg['activation_checkpointing'])
+        act = activations(cfg['n_layer'], cfg['n_embd'], model.config.vocab_size, cfg['batch_size'] * cfg['block_size'],
+                          zcfg.param_dtype.itemsize, cfg['activation_checkpointing'])
     print(estimate_table(psi, args.world, zcfg, accum, args.k))
     if args.gpu_gb:
-        if activations is None:
+        if act is None:
             print("\n(activations and transient buffers need the model's shape: give --config to pick a stage)")
         else:
-            stage, line = pick_stage(stage_estimates(psi, args.world, zcfg, activations, block, root), args.gpu_gb * 1e9)
+            stage, line = pick_stage(stage_estimates(psi, args.world, zcfg, act, block, root), args.gpu_gb * 1e9)
             print(f"\nactivations of one micro-batch ({cfg['batch_size']} x {cfg['block_size']} tokens): "
-                  f"{activations / 1e9:.3g} GB\n{line}")
+                  f"{act.peak() / 1e9:.3g} GB\n{line}")

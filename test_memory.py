@@ -122,22 +122,26 @@ def test_estimate_as_configured_equals_the_startup_table_of_a_real_two_rank_run(
 
 def hand_estimates(world):
     """Per stage, bytes per rank for auto_config's GPT (fp32 compute and grads, 1 MiB buckets), written out from the
-    formulas: model states + transient buffers + activations."""
+    formulas: model states + the worst moment of [Note: the peak]."""
     L, C, V, T, B = 4, 128, 256, 16, 1
     block = 12 * C * C + 2 * C  # c_attn 3C², attn c_proj C², c_fc 4C², mlp c_proj 4C², ln_1 and ln_2 gains (no biases)
     root = V * C + T * C + C  # wte (tied to lm_head), wpe, ln_f: 34,944, the largest unit is a block (196,864)
     psi = L * block + root  # 822,400
-    # [Note: activation estimate]: saved, then the larger head transient: at backward's start (> one 16 x 256 chunk)
-    activations = B * T * (L * C * (14 * 4 + 2 * 4) + 2 * 4 * C) + 4 * V * C + B * T * C * 4 + V * C * 8
-    # [Note: the peak] the worse of the first block's backward (activations, the tied embedding's grad pending (root at
-    # most), the bucket's grads beside its grad buffer, stage 3's 2 blocks + root gathered less their own shards) and
-    # the root's backward (two embedding grads, the root's grad buffer, the root gathered)
-    gathered = (1 - 1 / world) * 4
-    return {0: 16 * psi + max(activations + 4 * root, 8 * root),  # torch DDP: fp32 params, grads, exp_avg, exp_avg_sq
-            1: 4 * psi + 4 * psi + 12 * psi / world + max(activations + 4 * root, 8 * root),  # fp32 params, full flat_grad
-            2: 4 * psi + 12 * psi / world + max(activations + 4 * root + 2 * 2**20, 12 * root),  # 1 MiB buckets (> any param)
-            3: 16 * psi / world + max(activations + 4 * root + 8 * block + (2 * block + root) * gathered,
-                                      12 * root + root * gathered)}
+    per_block = B * T * C * (14 * 4 + 2 * 4)  # [Note: activation estimate], fp32
+    blocks, head = L * per_block, B * T * 2 * 4 * C + 4 * V * C  # saved by the blocks; by the head (x's, the weight's grads)
+    forward = V * (B * T * 4 + C * 4)  # one 16-row chunk of logits beside g.t() @ xi (vocab x C): > 2 chunks
+    backward = B * T * C * 4 + V * C * 4  # the scaled grads of x and of the weight
+    own = per_block + B * T * C * 8 * 4  # the first block's saved tensors and its backward temporaries
+
+    def peak(bucket, gathered, stage):  # moments A, B (prefetch 1), C (prefetch + 1 blocks gathered), D
+        return max(blocks + head + forward + gathered * root, blocks + head + backward + gathered * (root + block),
+                   blocks - per_block + 4 * root + max(own, 8 * bucket) + gathered * (root + 2 * block),
+                   8 * root + gathered * root)  # D: two embedding grads, or their sum beside the root's grad buffer
+    gathered = (1 - 1 / world) * 4  # stage 3: a gathered unit holds its own shard once
+    return {0: 16 * psi + peak(0, 0, 0),  # torch DDP: fp32 params, grads, exp_avg, exp_avg_sq
+            1: 4 * psi + 4 * psi + 12 * psi / world + peak(0, 0, 1),  # fp32 params, full flat_grad
+            2: 4 * psi + 12 * psi / world + peak(2**20 // 4, 0, 2),  # 1 MiB buckets (> any param)
+            3: 16 * psi / world + peak(block, gathered, 3)}
 
 
 def auto_config(memory_gb):
@@ -149,7 +153,7 @@ def auto_config(memory_gb):
 @pytest.mark.parametrize('expected', [0, 1, 2, 3])
 def test_auto_picks_the_lowest_stage_that_fits_in_90_percent_of_the_memory(expected):
     need = hand_estimates(world=8)
-    assert need[0] > need[1] > need[2] > need[3]  # 13.7, 8.4, 6.2, 4.7 MB: each limit lets one more stage in
+    assert need[0] > need[1] > need[2] > need[3]  # 14.0, 8.6, 7.2, 5.3 MB: each limit lets one more stage in
     budget = (need[expected] + need[expected - 1]) / 2 if expected else 2 * need[0]  # between two stages' needs
     cfg, args = auto_config(memory_gb=budget / 0.9 / 1e9)
     stage, line = train.choose_stage(cfg, torch.device('cpu'), 8, args)
@@ -165,7 +169,7 @@ def test_auto_says_when_activation_checkpointing_is_what_makes_a_stage_fit():
     model = GPT(GPTConfig(**args))
     psi, units = sum(p.numel() for p in model.parameters()), memory.unit_sizes(model, model.transformer.h)
     need = {ck: memory.stage_estimates(psi, 8, train.zero_config({**cfg, 'zero_stage': 1}),
-                                       memory.activation_bytes(4, 128, 256, 64 * 16, 4, ck), *units) for ck in (False, True)}
+                                       memory.activations(4, 128, 256, 64 * 16, 4, ck), *units) for ck in (False, True)}
     assert need[True][0] < min(need[False].values())  # with it stage 0 fits a limit that no stage fits without it
     cfg['memory_gb'] = (need[True][0] + min(need[False].values())) / 2 / 0.9 / 1e9
     stage, line = train.choose_stage(cfg, torch.device('cpu'), 8, args)
@@ -202,7 +206,7 @@ def test_auto_in_a_real_run_prints_its_reasoning_and_trains_with_the_stage_it_pi
     with torch.device('meta'):
         model = GPT(GPTConfig(**args))
     psi = sum(p.numel() for p in model.parameters())
-    act = memory.activation_bytes(1, 32, args['vocab_size'], 2 * 16, 4)
+    act = memory.activations(1, 32, args['vocab_size'], 2 * 16, 4)
     need = memory.stage_estimates(psi, 2, train.zero_config({**cfg, 'zero_stage': 1}), act,
                                   *memory.unit_sizes(model, model.transformer.h))
     assert need[1] < need[0]
@@ -359,3 +363,52 @@ def test_bench_scale_prints_a_row_per_kind_and_counts_what_the_estimator_says():
         estimated, measured, ratio = map(float, table[kind][:3])
         assert 0.95 <= ratio <= 1.05 and 0.95 <= measured / estimated <= 1.05, (kind, table[kind])
     assert all(float(cell) > 0 for cell in table['fsdp2'][:5])  # fsdp2 ran; its ratio is the chunking's business
+
+# -----------------------------------------------------------------------------
+# the peak: the estimate against every byte torch's CPU allocator hands out
+
+PEAK = """
+import itertools, json, sys, torch, torch.distributed as dist
+from contextlib import nullcontext
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import memory, train
+for overrides in json.loads(sys.argv[1]):  # rank 0 of 8 (the fake process group), as bench.py scale builds it
+    dist.init_process_group('fake', rank=0, world_size=8, store=FakeStore())
+    cfg = train.parse_config(overrides + ['--gradient_accumulation_steps=8'])  # one micro-step
+    data, args, zcfg = train.load_split(train.data_dir(cfg), 'train'), train.model_args(cfg, train.vocab_size(cfg)), train.zero_config(cfg)
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    profiler.start()
+    model, engine = train.build(cfg, torch.device('cpu'), args)
+    for it in range(2):
+        train.train_step(engine, train.train_batches(data, it, cfg, 0, 8, torch.device('cpu')), 1e-3, nullcontext())
+    profiler.stop()
+    events = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events() if e.name() == '[memory]')
+    act = memory.activations(cfg['n_layer'], cfg['n_embd'], args['vocab_size'], cfg['batch_size'] * cfg['block_size'], 4,
+                             cfg['activation_checkpointing'])
+    states = sum(b for _, b in memory.model_states(zcfg.stage, engine.psi, 8, zcfg).values())
+    estimate = states + memory.transient_bytes(zcfg.stage, zcfg, *memory.unit_sizes(model, model.transformer.h), engine.psi, 8, act)
+    print(json.dumps([max(itertools.accumulate(n for _, n in events)), estimate]), flush=True)
+    dist.destroy_process_group()
+"""
+
+PEAK_SHAPES = {  # each with a different worst moment of [Note: the peak]
+    'head forward: 3 chunks of logits, the root gathered': ['config/shakespeare_cpu.py', '--zero_stage=3', '--n_layer=2',
+                                                            '--n_embd=256', '--n_head=4', '--batch_size=8', '--block_size=128'],
+    'first block backward: gathered blocks, grads and buffer': ['config/shakespeare_char.py', '--zero_stage=3', '--n_layer=3',
+                                                                '--n_embd=256', '--n_head=4', '--batch_size=1', '--block_size=64'],
+    'stage 2, checkpointed: a recomputed block': ['config/shakespeare_char.py', '--zero_stage=2', '--n_layer=4', '--n_embd=128',
+                                                  '--n_head=4', '--batch_size=8', '--block_size=128', '--activation_checkpointing=True'],
+    'stage 3, prefetch 2: the head of a short batch': ['config/shakespeare_cpu.py', '--zero_stage=3', '--n_layer=2',
+                                                               '--n_embd=128', '--n_head=2', '--batch_size=1', '--block_size=32', '--prefetch=2'],
+}
+
+
+def test_the_peak_estimate_is_within_10_percent_of_the_bytes_allocated_at_rank_0_of_8():
+    """Every tensor byte of a fresh process (the profiler's CPU memory events, from before the model is built through
+    two steps), at its peak, against model states + transient_bytes: shapes whose peaks come at different moments."""
+    out = subprocess.run([sys.executable, '-c', PEAK, json.dumps(list(PEAK_SHAPES.values()))], capture_output=True, text=True,
+                         env=QUIET, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name, line in zip(PEAK_SHAPES, out.stdout.splitlines()):
+        allocated, estimate = json.loads(line)
+        assert 0.9 <= allocated / estimate <= 1.1, (name, allocated / 1e6, estimate / 1e6)
