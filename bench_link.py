@@ -1,10 +1,11 @@
 """
 The real link here, measured and fitted, so a simulated one (comm.py, [Note: simulated link]) can be checked
-against it: time all-gathers and reduce-scatters of 4 KB to 64 MB on N gloo ranks, fit the ring's time
+against it: time all-gathers, reduce-scatters and all-reduces of 4 KB to 64 MB on N gloo ranks, fit the ring's time
 
-    t = (N-1) * latency + (N-1)/N * S / bandwidth          (S: the full buffer's bytes)
+    t = (N-1) * latency + (N-1)/N * S / bandwidth          (S: the full buffer's bytes; all-reduce: twice that)
 
-by least squares, and print the link as `bench.py scale --link BANDWIDTH_GBps,LATENCY_us` takes it:
+by least squares, once for all-gathers and reduce-scatters together and once per collective ([Note: one link
+per collective] in comm.py), and print both as `bench.py scale --link` takes them:
 
     torchrun --standalone --nproc_per_node=2 bench.py link
     torchrun --standalone --nproc_per_node=4 bench.py link
@@ -26,6 +27,8 @@ import torch.distributed as dist
 import comm
 
 SIZES = [2**k for k in range(10, 25, 2)]  # full-buffer elements, fp32: 4 KB .. 64 MB
+KINDS = ('all_gather', 'reduce_scatter', 'all_reduce')
+KEYS = {kind: key for key, kind in comm.KIND_KEYS.items()}  # all_gather -> ag, as --link takes it
 
 
 def time_collective(kind, numel, world_size, repeats):
@@ -37,20 +40,24 @@ def time_collective(kind, numel, world_size, repeats):
         t0 = time.perf_counter()
         if kind == 'all_gather':
             dist.all_gather_into_tensor(full, shard)
-        else:
+        elif kind == 'reduce_scatter':
             dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG)
+        else:
+            dist.all_reduce(full)
         times.append(time.perf_counter() - t0)
     slowest = torch.tensor(times[2:])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.median().item()
 
 
-def fit(points, world_size):
-    """Least squares of t = (N-1) * latency + x / bandwidth, x = (N-1)/N * bytes, in relative error (each row
-    divided by its t, so 4 KB counts as much as 64 MB) -> (bandwidth B/s, latency s)."""
-    x = torch.tensor([(world_size - 1) / world_size * nbytes for nbytes, _ in points], dtype=torch.float64)
+def fit(points, world_size, kind='all_gather'):
+    """Least squares of comm.Link.seconds, t = steps * ((N-1) * latency + (N-1)/N * bytes / bandwidth) (steps: 2
+    for an all-reduce, else 1), in relative error (each row divided by its t, so 4 KB counts as much as 64 MB)
+    -> (bandwidth B/s, latency s)."""
+    steps = 2 if kind == 'all_reduce' else 1
+    x = torch.tensor([steps * (world_size - 1) / world_size * nbytes for nbytes, _ in points], dtype=torch.float64)
     t = torch.tensor([seconds for _, seconds in points], dtype=torch.float64)
-    design = torch.stack([torch.full_like(x, world_size - 1.0), x], dim=1) / t.unsqueeze(1)
+    design = torch.stack([torch.full_like(x, steps * (world_size - 1.0)), x], dim=1) / t.unsqueeze(1)
     latency, inverse_bandwidth = torch.linalg.lstsq(design, torch.ones_like(t).unsqueeze(1)).solution.squeeze(1).tolist()
     return 1 / inverse_bandwidth, latency
 
@@ -58,22 +65,28 @@ def fit(points, world_size):
 def bench_link(args):
     dist.init_process_group('gloo')
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    rows, points = [], []
+    rows = []
     for numel in SIZES:
-        for kind in ('all_gather', 'reduce_scatter'):
-            seconds = time_collective(kind, numel, world_size, repeats=max(3, min(20, 2**22 // numel)))
-            rows.append((kind, 4 * numel, seconds))
-            points.append((4 * numel, seconds))
-    bandwidth, latency = fit(points, world_size)
+        for kind in KINDS:
+            rows.append((kind, 4 * numel, time_collective(kind, numel, world_size, repeats=max(3, min(20, 2**22 // numel)))))
     if rank == 0:
-        link = comm.Link(bandwidth, latency)
+        # one fit of all-gathers and reduce-scatters together (an all-reduce: twice that), and one per collective
+        one = comm.Link(*fit([(b, t) for k, b, t in rows if k != 'all_reduce'], world_size), 'one fit')
+        per_kind = {kind: fit([(b, t) for k, b, t in rows if k == kind], world_size, kind) for kind in KINDS}
+        spec = '/'.join(f"{KEYS[kind]}={bw / 1e9:.4g},{lat * 1e6:.4g}" for kind, (bw, lat) in per_kind.items())
+        each = comm.parse_link(spec)
         print(f"gloo, {world_size} ranks, torch {torch.__version__}, {torch.get_num_threads()} thread(s)/rank\n")
-        print("| collective | MB | measured ms | fitted ms | fitted / measured |")
-        print("|---|---:|---:|---:|---:|")
-        for kind, nbytes, seconds in rows:
-            model = link.seconds(kind, nbytes, world_size)
-            print(f"| {kind} | {nbytes / 1e6:.3f} | {seconds * 1e3:.3f} | {model * 1e3:.3f} | {model / seconds:.2f} |")
-        print(f"\nfit: bandwidth {bandwidth / 1e9:.3f} GB/s, latency {latency * 1e6:.1f} µs per ring step")
-        print(f"--link {bandwidth / 1e9:.4g},{latency * 1e6:.4g}")
+        print("| collective | MB | measured ms | one fit ms | / measured | per-collective fit ms | / measured |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for kind, nbytes, seconds in sorted(rows, key=lambda r: KINDS.index(r[0])):
+            a, b = one.seconds(kind, nbytes, world_size), each.seconds(kind, nbytes, world_size)
+            print(f"| {kind} | {nbytes / 1e6:.3f} | {seconds * 1e3:.3f} | {a * 1e3:.3f} | {a / seconds:.2f} | "
+                  f"{b * 1e3:.3f} | {b / seconds:.2f} |")
+        print(f"\none fit: bandwidth {one.bandwidth / 1e9:.3f} GB/s, latency {one.latency * 1e6:.1f} µs per ring step "
+              f"(all-gathers and reduce-scatters)")
+        for kind, (bw, lat) in per_kind.items():
+            print(f"{kind}: bandwidth {bw / 1e9:.3f} GB/s, latency {lat * 1e6:.1f} µs per ring step")
+        print(f"--link {one.bandwidth / 1e9:.4g},{one.latency * 1e6:.4g}")
+        print(f"--link {spec}")
     dist.barrier()
     dist.destroy_process_group()

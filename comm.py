@@ -20,6 +20,11 @@ its FIFO is one number, the time it will be free; a launch returns at once, and 
 collective's end (and counts the time blocked). On a GPU it is the same FIFO on a side stream: the collective
 waits for the compute that wrote its input, then the stream spins for its time (torch.cuda._sleep), and wait()
 makes the current stream wait for it, as NCCL's work handles do; the host blocks nowhere.
+[Note: one link per collective] A real backend need not run every collective at one bandwidth: gloo on this
+CPU reduce-scatters 1.3-2.6x slower than it all-gathers (bench.py link), so one α-β fit of both is wrong for
+each. `--link ag=B,L/rs=B,L/ar=B,L` gives each kind its own bandwidth and latency (bench.py link
+fits and prints them); an all-reduce left out takes a reduce-scatter's time plus an all-gather's, and one given
+takes twice its ring (2(N-1)/N * S / bandwidth + 2(N-1) * latency: nccl-tests' bus bandwidth for all-reduce).
 What it cannot show: a real collective's bandwidth shared with other traffic, its own use of the cores and
 memory bandwidth (gloo on a CPU competes with compute: see bench_link.py), and stragglers: every rank is rank 0.
 """
@@ -132,19 +137,43 @@ LINKS = {
 }
 
 
-def parse_link(spec, clock=None):
-    """'ib400' (a name of LINKS) or 'BANDWIDTH_GBps[,LATENCY_us]' (latency 0 if left out) -> a Link."""
-    if spec in LINKS:
-        bandwidth, latency, _ = LINKS[spec]
-        return Link(bandwidth, latency, spec, clock or Clock())
+KIND_KEYS = {'ag': 'all_gather', 'rs': 'reduce_scatter', 'ar': 'all_reduce'}  # per-collective --link keys
+
+
+def parse_numbers(spec):
+    """'BANDWIDTH_GBps[,LATENCY_us]' -> (bytes/s, seconds); latency 0 if left out; ValueError if not that."""
     try:
         numbers = [float(x) for x in spec.split(',')]
     except ValueError:
         numbers = []
     if not 1 <= len(numbers) <= 2 or numbers[0] <= 0 or min(numbers) < 0 or not all(map(math.isfinite, numbers)):
-        raise ValueError(f"--link {spec!r}: give one of {', '.join(LINKS)} or BANDWIDTH_GBps[,LATENCY_us], e.g. 50,5")
-    latency_us = numbers[1] if len(numbers) == 2 else 0.0
-    return Link(numbers[0] * 1e9, latency_us / 1e6, f"{numbers[0]:g} GB/s, {latency_us:g} µs", clock or Clock())
+        raise ValueError(spec)
+    return numbers[0] * 1e9, (numbers[1] if len(numbers) == 2 else 0.0) / 1e6
+
+
+def parse_link(spec, clock=None):
+    """'ib400' (a name of LINKS), 'BANDWIDTH_GBps[,LATENCY_us]' (latency 0 if left out), or one of those per
+    collective, 'ag=B,L/rs=B,L[/ar=B,L]' ([Note: one link per collective]) -> a Link."""
+    clock = clock or Clock()
+    if spec in LINKS:
+        bandwidth, latency, _ = LINKS[spec]
+        return Link(bandwidth, latency, spec, clock)
+    try:
+        if '=' not in spec:
+            bandwidth, latency = parse_numbers(spec)
+            return Link(bandwidth, latency, f"{bandwidth / 1e9:g} GB/s, {latency * 1e6:g} µs", clock)
+        per_kind = {}
+        for part in spec.split('/'):
+            key, numbers = part.split('=')
+            if KIND_KEYS[key] in per_kind:
+                raise ValueError(spec)
+            per_kind[KIND_KEYS[key]] = parse_numbers(numbers)
+        if not {'all_gather', 'reduce_scatter'} <= set(per_kind):
+            raise ValueError(spec)
+    except (KeyError, ValueError):
+        raise ValueError(f"--link {spec!r}: give one of {', '.join(LINKS)}, BANDWIDTH_GBps[,LATENCY_us] (e.g. 50,5), "
+                         "or one per collective: ag=B,L/rs=B,L[/ar=B,L]") from None
+    return Link(*per_kind['all_gather'], spec, clock, per_kind=per_kind)
 
 
 class Clock:
@@ -184,13 +213,17 @@ class Link:
     free_at: float = 0.0  # when the collectives launched so far are done (the FIFO)
     busy: Counter = field(default_factory=Counter)  # kind -> seconds the link took, since reset()
     blocked: Counter = field(default_factory=Counter)  # kind -> seconds the host waited for it (CPU), since reset()
+    per_kind: dict = field(default_factory=dict)  # kind -> its own (bandwidth, latency), where given
 
     def seconds(self, kind, nbytes, world_size):
         """The ring's time for a collective over an nbytes buffer (the full one: all-gather output,
-        reduce-scatter input, all-reduce tensor) on world_size ranks."""
-        n = world_size
-        ring = (n - 1) / n * nbytes / self.bandwidth + (n - 1) * self.latency
-        return 2 * ring if kind == 'all_reduce' else ring
+        reduce-scatter input, all-reduce tensor) on world_size ranks, with the collective's own bandwidth and
+        latency if the link has them ([Note: one link per collective])."""
+        if kind == 'all_reduce' and kind not in self.per_kind:  # a reduce-scatter, then an all-gather
+            return self.seconds('reduce_scatter', nbytes, world_size) + self.seconds('all_gather', nbytes, world_size)
+        bandwidth, latency = self.per_kind.get(kind, (self.bandwidth, self.latency))
+        n, steps = world_size, 2 if kind == 'all_reduce' else 1  # an all-reduce's own fit: twice the ring's steps
+        return steps * ((n - 1) / n * nbytes / bandwidth + (n - 1) * latency)
 
     def reset(self):
         self.busy, self.blocked = Counter(), Counter()

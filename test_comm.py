@@ -68,6 +68,30 @@ def test_link_presets_and_custom_links_parse_and_bad_ones_say_how():
             comm.parse_link(bad)
 
 
+def test_a_link_per_collective_times_each_kind_with_its_own_bandwidth_and_latency():
+    link = comm.parse_link('ag=2,100/rs=1,300')  # GB/s, µs
+    # 4 ranks, 8 MB: all-gather 3/4 * 8e6 / 2e9 = 3 ms + 3 * 100 µs; reduce-scatter 6 ms + 3 * 300 µs
+    assert link.seconds('all_gather', 8_000_000, 4) == pytest.approx(3.3e-3, rel=1e-12)
+    assert link.seconds('reduce_scatter', 8_000_000, 4) == pytest.approx(6.9e-3, rel=1e-12)
+    assert link.seconds('all_reduce', 8_000_000, 4) == pytest.approx(10.2e-3, rel=1e-12)  # none given: rs + ag
+    own = comm.parse_link('rs=1,300/ag=2,100/ar=4,50')  # its own ring, twice: 2 * (3/4 * 8e6 / 4e9 + 3 * 50 µs)
+    assert own.seconds('all_reduce', 8_000_000, 4) == pytest.approx(3.3e-3, rel=1e-12)
+    assert own.seconds('all_gather', 8_000_000, 4) == pytest.approx(3.3e-3, rel=1e-12)
+    for bad in ('ag=2,100', 'ag=2,100/rs=0,1', 'ag=2,100/rs=1,1/xx=1,1', 'ag=2,100/ag=2,100/rs=1,1', 'ag=2=3/rs=1'):
+        with pytest.raises(ValueError, match='ag=B,L/rs=B,L'):
+            comm.parse_link(bad)
+
+
+def test_bench_link_fits_a_ring_exactly():
+    """bench.py link's least squares gives back the bandwidth and latency its points were made with."""
+    import bench_link
+    for kind in ('all_gather', 'all_reduce'):
+        truth = comm.Link(bandwidth=0.5e9, latency=300e-6)
+        points = [(nbytes, truth.seconds(kind, nbytes, 4)) for nbytes in (4096, 2**20, 2**24)]
+        bandwidth, latency = bench_link.fit(points, 4, kind)
+        assert (bandwidth, latency) == (pytest.approx(0.5e9, rel=1e-9), pytest.approx(300e-6, rel=1e-9))
+
+
 def test_collectives_queue_on_one_link_and_wait_blocks_until_the_end():
     clock = comm.VirtualClock(speedup=math.inf)  # no compute time: only the link's
     link = comm.Link(bandwidth=1e9, latency=1e-6, clock=clock)
