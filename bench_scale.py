@@ -15,9 +15,9 @@ train.py's (config/shakespeare_cpu.py unless --config; --set KEY=VALUE overrides
 gradient_accumulation_steps is raised to a multiple of --world, one micro-step per rank at least.
 
 With --link (comm.py, [Note: simulated link]) every collective of ours also takes the time a ring of --world
-ranks would take on that link, asynchronously; each timed step then runs twice, without the link (compute
-alone) and with it, and a second table gives the step time, the communication exposed, and tokens/s and MFU
-projected for the whole job. --speedup (CPU) projects onto compute that much faster than this CPU's:
+ranks would take on that link, asynchronously; each timed step (compute alone) then runs again with each link,
+and a second table gives the step time, the communication exposed, and tokens/s and MFU projected for the whole
+job. --speedup (CPU) projects onto compute that much faster than this CPU's:
 
     python bench.py scale --world 64 --link ib400 --kinds zero2,zero3 --set n_layer=4 --set n_embd=256
     python bench.py scale --world 64 --link ib400 --link eth100 --speedup h100 --kinds zero3 --set prefetch=2
@@ -149,12 +149,14 @@ def measure(kind, cfg, world_size, quick, build_only=False, link_specs=(), speed
     runs = {link.name: [] for link in links}  # link -> (step, compute alone, blocked, busy) per timed step
     for it in range(warmup, warmup + (0 if build_only else 1 if quick else 3)):
         batches = train.train_batches(data, it, cfg, 0, world_size, device)
-        t0 = time.perf_counter()
+        t0, starts = time.perf_counter(), [link.clock.now() for link in links]
         train.train_step(engine, batches, cfg['learning_rate'], autocast)
         sync()
         times.append(time.perf_counter() - t0)
-        for link in links:  # the same batches: compute alone, then with the link
-            runs[link.name].append(timed_with_link(engine, link, batches, cfg, autocast, sync))
+        alone = [link.clock.now() - start for link, start in zip(links, starts)]  # this step on each link's clock
+        for link, seconds in zip(links, alone):  # the same batches again, with the link
+            step, blocked, busy = timed_with_link(engine, link, batches, cfg, autocast, sync)
+            runs[link.name].append((step, seconds, blocked, busy))
     steps_peak = peak_bytes(device)
     pops = bench_zero.model_state_bytes(engine)
     dist.destroy_process_group()
@@ -181,19 +183,16 @@ def link_clock(device, speedup):
 
 
 def timed_with_link(engine, link, batches, cfg, autocast, sync):
-    """(step, compute alone, blocked in waits, link busy) in seconds: the step without the link, then with it,
-    each on the link's clock (so --speedup scales both alike)."""
-    clock, seconds = link.clock, []
-    for use in (None, link):
-        engine.comm.use_link(use)
-        link.reset()
-        sync()
-        t0 = clock.now()
-        train.train_step(engine, batches, cfg['learning_rate'], autocast)
-        sync()
-        seconds.append(clock.now() - t0)
+    """(step, blocked in waits, link busy) in seconds, on the link's clock (so --speedup scales it as it scales
+    compute alone: the step before, without the link, read on the same clock)."""
+    engine.comm.use_link(link)
+    link.reset()
+    sync()
+    t0 = link.clock.now()
+    train.train_step(engine, batches, cfg['learning_rate'], autocast)
+    sync()
     engine.comm.use_link(None)
-    return seconds[1], seconds[0], sum(link.blocked.values()), sum(link.busy.values())
+    return link.clock.now() - t0, sum(link.blocked.values()), sum(link.busy.values())
 
 
 def link_results(runs, links):
@@ -299,9 +298,9 @@ NOTES = """\
 
 
 LINK_NOTES = """\
-- with a link: every step timed twice, without the link (compute alone) and with it (comm.py [Note: simulated link]:
-  each collective takes a ring's time, (N-1)/N * bytes / bandwidth + (N-1) * latency, all-reduce twice, one
-  after another on one link, asynchronously). exposed: on CPU the time blocked in waits, on CUDA step - compute
+- with a link: every timed step (compute alone) run again with each link (comm.py [Note: simulated link]: each
+  collective takes a ring's time, (N-1)/N * bytes / bandwidth + (N-1) * latency, all-reduce twice, one after
+  another on one link, asynchronously; or each collective its own: [Note: one link per collective]). exposed: on CPU the time blocked in waits, on CUDA step - compute
   alone; comm alone: the link's time for all the step's collectives, back to back. tokens/s: of the whole job
   (N ranks x their tokens per step / step). MFU: (6Ψ + attention) FLOPs per token, against the peak printed.
   fsdp2: torch's collectives, not comm.Comm's, so no link. Medians over the timed steps."""
