@@ -257,11 +257,16 @@ def run_kind(kind, args):
     its own mmap and unmaps it when freed, so the RSS falls when tensors die and its peak is a real peak.
     THP_MEM_ALLOC_ENABLE (torch's CPU allocator): buffers of 2 MB and more are backed by huge pages, so a freshly
     mapped GB of gathered params faults 512x fewer times (4 GB allocated and filled: 0.27-0.31 s with it, 1.1-3.8 s
-    without, on the 2-core VM of the README; a GPT-2 1.5B step at rank 0 of 64, 14.6 s vs 15.4 s; the same peaks)."""
+    without, on the 2-core VM of the README; a GPT-2 1.5B step at rank 0 of 64, 14.6 s vs 15.4 s; the same peaks).
+    [Note: malloc for timing] Neither with --link: with the mmap threshold each fresh mmap is page-faulted in again
+    on every step, which made a zero2 step here 554 ms instead of 440 (world 2, 1 thread, quiet machine). With
+    --link the time is what counts, so the kinds run with the allocators as train.py and bench.py zero have them
+    (the RSS peaks then include freed heap: run without --link for those)."""
     cmd = [sys.executable, os.path.abspath(__file__), kind, f'--world={args.world}', f'--config={args.config}']
     cmd += [f'--set={kv}' for kv in args.set] + (['--quick'] if args.quick else []) + (['--build_only'] if args.build_only else [])
     cmd += [f'--link={spec}' for spec in args.link] + ([f'--speedup={args.speedup}'] if args.speedup else [])
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536', 'THP_MEM_ALLOC_ENABLE': '1'})
+    env = dict(os.environ) if args.link else {**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536', 'THP_MEM_ALLOC_ENABLE': '1'}
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
     results = [line[len('RESULT '):] for line in out.stdout.splitlines() if line.startswith('RESULT ')]
     if out.returncode != 0 or not results:
         killed = ' (killed: out of memory?)' if out.returncode in (-9, 137) else ''
@@ -303,7 +308,8 @@ LINK_NOTES = """\
   another on one link, asynchronously; or each collective its own: [Note: one link per collective]). exposed: on CPU the time blocked in waits, on CUDA step - compute
   alone; comm alone: the link's time for all the step's collectives, back to back. tokens/s: of the whole job
   (N ranks x their tokens per step / step). MFU: (6Ψ + attention) FLOPs per token, against the peak printed.
-  fsdp2: torch's collectives, not comm.Comm's, so no link. Medians over the timed steps."""
+  fsdp2: torch's collectives, not comm.Comm's, so no link. Medians over the timed steps. With --link the kinds
+  run with glibc's default malloc ([Note: malloc for timing]): the RSS peaks above then include freed heap."""
 
 
 def print_link_table(args, cfg, done):
