@@ -1,16 +1,17 @@
 """
-Does prefetch hide the network? Rank 0 of 8, 64 and 1024 ranks (torch's fake process group), each collective on
-a simulated link (comm.py, [Note: simulated link]), compute projected onto an H100 (bench.py scale --speedup h100:
-a virtual clock, compute time divided by the H100's bf16 peak over this CPU's matmul FLOP/s). Stage 2 (two bucket
-sizes) against stage 3 (prefetch 0/1/2, reshard_after_forward on/off), over two links:
+Does prefetch hide the network? Rank 0 of 8, 64 and 1024 ranks of GPT-2 1.5B (torch's fake process group), each
+collective on a simulated link (comm.py, [Note: simulated link]), compute on a virtual clock --speedup times faster
+than this CPU's (bench.py scale --speedup). Stage 2 (two bucket sizes) against stage 3 (prefetch 0/1/2,
+reshard_after_forward on/off), over two links:
 
-    python study_link.py                    # writes assets/link_study.md and assets/link_study.png
-    python study_link.py --set n_layer=48 --set n_head=25 --set n_embd=1600    # GPT-2 1.5B, if you have the hours
+    python study_link.py --worlds 64 && python study_link.py --worlds 8,1024 --settings 0,3,4 --append
 
-Each setting is one `bench.py scale` subprocess (bench_scale.run_kind), timing one step (--quick).
+Writes assets/link_study.md, .json and .png. Each setting is one `bench.py scale` subprocess (bench_scale.run_kind),
+timing one step (--quick): a warm-up, the step without a link (compute alone), then with each link.
 """
 import argparse
 import json
+import sys
 import time
 
 import bench_scale
@@ -18,13 +19,15 @@ import bench_scale
 LINKS = ('ib400', 'eth100')
 SETTINGS = [  # (label, --set overrides)
     ('zero2 bucket 25 MB', ['zero_stage=2', 'bucket_mb=25']),
-    ('zero2 bucket 4 MB', ['zero_stage=2', 'bucket_mb=4']),
+    ('zero2 bucket 500 MB', ['zero_stage=2', 'bucket_mb=500']),
     ('zero3 prefetch 0', ['zero_stage=3', 'prefetch=0']),
     ('zero3 prefetch 1', ['zero_stage=3', 'prefetch=1']),
     ('zero3 prefetch 2', ['zero_stage=3', 'prefetch=2']),
     ('zero3 prefetch 1, no reshard', ['zero_stage=3', 'prefetch=1', 'reshard_after_forward=False']),
 ]
-MODEL = ['n_layer=4', 'n_head=4', 'n_embd=256', 'block_size=256', 'batch_size=1']
+# GPT-2 1.5B (GPT-2 XL), 64 tokens per rank: ~15 s a step on this CPU, so --speedup 40 stands for an H100 at ~40% of
+# its bf16 peak on ~16K tokens per rank (6 * 1.56e9 FLOPs x 16384 tokens / (0.4 x 989e12 FLOP/s) = 0.39 s a step)
+MODEL = ['n_layer=48', 'n_head=25', 'n_embd=1600', 'block_size=64', 'batch_size=1']
 
 
 def main():
@@ -33,7 +36,7 @@ def main():
     parser.add_argument('--settings', default=None, help="comma-separated indices into SETTINGS (default: all)")
     parser.add_argument('--append', action='store_true', help="add to the rows already in OUT.json")
     parser.add_argument('--set', action='append', default=[], help="train.py config overrides, after the study's model")
-    parser.add_argument('--speedup', default='h100')
+    parser.add_argument('--speedup', default='40')
     parser.add_argument('--out', default='assets/link_study')
     cli = parser.parse_args()
     speedup = f"{bench_scale.parse_speedup(cli.speedup):.4g}"  # measured once: every setting uses the same factor
@@ -56,12 +59,12 @@ def main():
 
 def write(cli, speedup, rows, seconds):
     psi = rows[0]['psi'] if rows else 0
-    lines = [f"# Does prefetch hide the network? (`python study_link.py {' '.join('--set ' + s for s in cli.set)}`)", '',
+    lines = [f"# Does prefetch hide the network? (`python study_link.py {' '.join(sys.argv[1:])}`" +
+             (", after the rows already there)" if cli.append else ")"), '',
              f"Rank 0 of N (fake process group), model `{' '.join(MODEL + cli.set)}` (Ψ = {psi / 1e6:.1f}M, fp32 on this CPU), "
-             f"1 micro-step per rank; compute projected onto an H100: --speedup {speedup} (989 TFLOP/s / this CPU's "
-             f"measured matmul FLOP/s), links ib400 (50 GB/s, 5 µs/step) and eth100 (12.5 GB/s, 20 µs/step). "
-             f"Times in ms of the projected step; exposed = blocked in waits; hidden = 1 - exposed / comm alone. "
-             f"{seconds / 60:.1f} min on 2 shared cores.", '',
+             f"1 micro-step per rank; compute on a virtual clock {speedup}x faster than this CPU (--speedup {cli.speedup}), "
+             f"links ib400 (50 GB/s, 5 µs/step) and eth100 (12.5 GB/s, 20 µs/step). Times in ms of the projected step; "
+             f"exposed = blocked in waits; hidden = 1 - exposed / comm alone. {seconds / 60:.1f} min on 2 shared cores.", '',
              '| N | setting | link | step ms | compute ms | exposed ms (of step) | comm alone ms | hidden |',
              '|---:|---|---|---:|---:|---:|---:|---:|']
     for r in rows:
