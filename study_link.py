@@ -45,7 +45,7 @@ def main():
     for world in [int(w) for w in cli.worlds.split(',')]:
         for label, overrides in chosen:
             kind = 'zero' + overrides[0][-1]
-            args = argparse.Namespace(world=world, config='config/shakespeare_cpu.py', quick=True, link=list(LINKS),
+            args = argparse.Namespace(world=world, config='config/shakespeare_cpu.py', quick=True, build_only=False, link=list(LINKS),
                                       speedup=speedup, set=MODEL + cli.set + overrides[1:])
             r = bench_scale.run_kind(kind, args)
             for x in r.get('links', []):
