@@ -25,8 +25,9 @@ SETTINGS = [  # (label, --set overrides)
     ('zero3 prefetch 2', ['zero_stage=3', 'prefetch=2']),
     ('zero3 prefetch 1, no reshard', ['zero_stage=3', 'prefetch=1', 'reshard_after_forward=False']),
 ]
-# GPT-2 1.5B (GPT-2 XL), 64 tokens per rank: ~15 s a step on this CPU, so --speedup 40 stands for an H100 at ~40% of
-# its bf16 peak on ~16K tokens per rank (6 * 1.56e9 FLOPs x 16384 tokens / (0.4 x 989e12 FLOP/s) = 0.39 s a step)
+# GPT-2 1.5B (GPT-2 XL), 64 tokens per rank: 12.6-13.8 s a step on this CPU (fp32, 1 micro-step), so --speedup 40
+# (0.32-0.34 s) stands for an H100 at ~40% of its bf16 peak on ~14K tokens per rank:
+# 6 x 1.555e9 FLOPs x 14,336 tokens / (0.4 x 989e12 FLOP/s) = 0.34 s a step
 MODEL = ['n_layer=48', 'n_head=25', 'n_embd=1600', 'block_size=64', 'batch_size=1']
 
 
@@ -47,24 +48,27 @@ def main():
             kind = 'zero' + overrides[0][-1]
             args = argparse.Namespace(world=world, config='config/shakespeare_cpu.py', quick=True, build_only=False, link=list(LINKS),
                                       speedup=speedup, set=MODEL + cli.set + overrides[1:])
+            t_setting = time.perf_counter()
             r = bench_scale.run_kind(kind, args)
             for x in r.get('links', []):
                 rows.append(dict(world=world, setting=label, link=x['name'], step=x['step'], alone=x['alone'],
-                                 exposed=x['blocked'], busy=x['busy'], psi=r['psi']))
+                                 exposed=x['blocked'], busy=x['busy'], psi=r['psi'], command=' '.join(sys.argv[1:]),
+                                 seconds=time.perf_counter() - t_setting))
             print(f"{time.perf_counter() - t0:.0f} s: world {world}, {label}: "
                   + ('; '.join(f"{x['name']} exposed {x['blocked'] / x['step']:.0%}" for x in r.get('links', [])) or r.get('failed')),
                   flush=True)
-            write(cli, speedup, rows, time.perf_counter() - t0)  # after each setting: a cut-off run keeps its rows
+            write(cli, speedup, rows)  # after each setting: a cut-off run keeps its rows
 
 
-def write(cli, speedup, rows, seconds):
+def write(cli, speedup, rows):
     psi = rows[0]['psi'] if rows else 0
-    lines = [f"# Does prefetch hide the network? (`python study_link.py {' '.join(sys.argv[1:])}`" +
-             (", after the rows already there)" if cli.append else ")"), '',
+    commands = list(dict.fromkeys(r['command'] for r in rows))  # each invocation that added rows (--append), in order
+    seconds = sum({(r['world'], r['setting']): r['seconds'] for r in rows}.values())  # each setting once (2 links a row each)
+    lines = ["# Does prefetch hide the network? (" + '; '.join(f"`python study_link.py {c}`" for c in commands) + ")", '',
              f"Rank 0 of N (fake process group), model `{' '.join(MODEL + cli.set)}` (Ψ = {psi / 1e6:.1f}M, fp32 on this CPU), "
              f"1 micro-step per rank; compute on a virtual clock {speedup}x faster than this CPU (--speedup {cli.speedup}), "
              f"links ib400 (50 GB/s, 5 µs/step) and eth100 (12.5 GB/s, 20 µs/step). Times in ms of the projected step; "
-             f"exposed = blocked in waits; hidden = 1 - exposed / comm alone. {seconds / 60:.1f} min on 2 shared cores.", '',
+             f"exposed = blocked in waits; hidden = 1 - exposed / comm alone. One timed step per setting (--quick); {seconds / 60:.1f} min on 2 cores.", '',
              '| N | setting | link | step ms | compute ms | exposed ms (of step) | comm alone ms | hidden |',
              '|---:|---|---|---:|---:|---:|---:|---:|']
     for r in rows:
