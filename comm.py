@@ -8,6 +8,7 @@ network instead, asynchronously, while compute stays real:
 
     python bench.py scale --world 64 --link ib400 --kinds zero2,zero3
     python bench.py scale --world 64 --link 25,10 --kinds zero3       # 25 GB/s, 10 µs per ring step
+    python bench.py scale --world 2 --link ag=0.89,331/rs=0.46,427    # each collective its own (bench.py link)
     python bench.py scale --world 64 --link ib400 --speedup h100      # as if the compute ran on an H100
 
 [Note: simulated link] A collective of S bytes on N ranks takes the time of a ring (the convention of

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+import bench_link
 import comm
 import train
 import zero
@@ -84,7 +85,6 @@ def test_a_link_per_collective_times_each_kind_with_its_own_bandwidth_and_latenc
 
 def test_bench_link_fits_a_ring_exactly():
     """bench.py link's least squares gives back the bandwidth and latency its points were made with."""
-    import bench_link
     for kind in ('all_gather', 'all_reduce'):
         truth = comm.Link(bandwidth=0.5e9, latency=300e-6)
         points = [(nbytes, truth.seconds(kind, nbytes, 4)) for nbytes in (4096, 2**20, 2**24)]
