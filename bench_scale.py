@@ -305,11 +305,12 @@ NOTES = """\
 LINK_NOTES = """\
 - with a link: every timed step (compute alone) run again with each link (comm.py [Note: simulated link]: each
   collective takes a ring's time, (N-1)/N * bytes / bandwidth + (N-1) * latency, all-reduce twice, one after
-  another on one link, asynchronously; or each collective its own: [Note: one link per collective]). exposed: on CPU the time blocked in waits, on CUDA step - compute
-  alone; comm alone: the link's time for all the step's collectives, back to back. tokens/s: of the whole job
-  (N ranks x their tokens per step / step). MFU: (6Ψ + attention) FLOPs per token, against the peak printed.
-  fsdp2: torch's collectives, not comm.Comm's, so no link. Medians over the timed steps. With --link the kinds
-  run with glibc's default malloc ([Note: malloc for timing]): the RSS peaks above then include freed heap."""
+  another on one link, asynchronously; or each collective its own: [Note: one link per collective]). exposed: on
+  CPU the time blocked in waits, on CUDA step - compute alone; comm alone: the link's time for all the step's
+  collectives, back to back. tokens/s: of the whole job (N ranks x their tokens per step / step). MFU: (6Ψ +
+  attention) FLOPs per token, against the peak printed. fsdp2: torch's collectives, not comm.Comm's, so no link.
+  Medians over the timed steps. With --link the kinds run with glibc's default malloc ([Note: malloc for timing]):
+  the RSS peaks above then include freed heap."""
 
 
 def print_link_table(args, cfg, done):

@@ -23,9 +23,10 @@ waits for the compute that wrote its input, then the stream spins for its time (
 makes the current stream wait for it, as NCCL's work handles do; the host blocks nowhere.
 [Note: one link per collective] A real backend need not run every collective at one bandwidth: gloo on this
 CPU reduce-scatters at about half the bandwidth it all-gathers at (0.45 against 0.76-0.89 GB/s, fitted by
-bench.py link), and all-reduces faster than either, so one α-β fit of them all is wrong for each. `--link ag=B,L/rs=B,L/ar=B,L` gives each kind its own bandwidth and latency (bench.py link
-fits and prints them); an all-reduce left out takes a reduce-scatter's time plus an all-gather's, and one given
-takes twice its ring (2(N-1)/N * S / bandwidth + 2(N-1) * latency: nccl-tests' bus bandwidth for all-reduce).
+bench.py link), and all-reduces faster than either, so one α-β fit of them all is wrong for each.
+`--link ag=B,L/rs=B,L/ar=B,L` gives each kind its own bandwidth and latency (bench.py link fits and prints them);
+an all-reduce left out takes a reduce-scatter's time plus an all-gather's, and one given takes twice its ring
+(2(N-1)/N * S / bandwidth + 2(N-1) * latency: nccl-tests' bus bandwidth for all-reduce).
 What it cannot show: a real collective's bandwidth shared with other traffic, its own use of the cores and
 memory bandwidth (gloo on a CPU competes with compute: see bench_link.py), and stragglers: every rank is rank 0.
 """

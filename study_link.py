@@ -46,8 +46,8 @@ def main():
     for world in [int(w) for w in cli.worlds.split(',')]:
         for label, overrides in chosen:
             kind = 'zero' + overrides[0][-1]
-            args = argparse.Namespace(world=world, config='config/shakespeare_cpu.py', quick=True, build_only=False, link=list(LINKS),
-                                      speedup=speedup, set=MODEL + cli.set + overrides[1:])
+            args = argparse.Namespace(world=world, config='config/shakespeare_cpu.py', quick=True, build_only=False,
+                                      link=list(LINKS), speedup=speedup, set=MODEL + cli.set + overrides[1:])
             t_setting = time.perf_counter()
             r = bench_scale.run_kind(kind, args)
             for x in r.get('links', []):
