@@ -309,7 +309,7 @@ LINK_NOTES = """\
   CPU the time blocked in waits, on CUDA step - compute alone; comm alone: the link's time for all the step's
   collectives, back to back. tokens/s: of the whole job (N ranks x their tokens per step / step). MFU: (6Ψ +
   attention) FLOPs per token, against the peak printed. fsdp2: torch's collectives, not comm.Comm's, so no link.
-  Medians over the timed steps. With --link the kinds run with glibc's default malloc ([Note: malloc for timing]):
+  Medians over the timed steps. With --link the kinds run with the allocators' defaults ([Note: malloc for timing]):
   the RSS peaks above then include freed heap."""
 
 
