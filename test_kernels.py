@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -135,6 +136,41 @@ def step_both(impl, shard, ref, grad, **kw):
 
 # ----------------------------------------------------------------------------
 # the reference is torch's AdamW
+
+
+HUGE_PAGES_PROBE = """
+import sys
+import torch
+for name in sys.argv[1:]:
+    __import__(name)
+x = torch.empty(2 ** 24)  # 64 MB, touched
+x.fill_(1.0)
+print(sum(int(line.split()[1]) for line in open('/proc/self/smaps') if line.startswith('AnonHugePages')))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/smaps'), reason="reads Linux's /proc/self/smaps")
+def test_importing_kernels_gives_cpu_tensors_huge_pages_before_anything_allocates():
+    """[Note: huge pages on CPU]: train.py and the benches import kernels before their first CPU tensor, and kernels
+    turns on torch's huge-page allocations before its own tables. Checked by the kB of huge pages a touched 64 MB
+    tensor gets: with the import, without it, and with the user's own THP_MEM_ALLOC_ENABLE=0. Where the kernel's
+    transparent huge pages are off ('never'), no process gets any, and the import must still set the variable."""
+    def huge_kb(*modules, **env):
+        out = subprocess.run([sys.executable, '-c', HUGE_PAGES_PROBE, *modules], capture_output=True, text=True,
+                             check=True, cwd=os.path.dirname(os.path.abspath(__file__)), env={**os.environ, **env})
+        return int(out.stdout.split()[-1])
+    plain_env = {k: v for k, v in os.environ.items() if k != 'THP_MEM_ALLOC_ENABLE'}
+    with mock.patch.dict(os.environ, plain_env, clear=True):
+        assert os.environ.get('THP_MEM_ALLOC_ENABLE') is None
+        imported, plain, refused = huge_kb('kernels'), huge_kb(), huge_kb('train', THP_MEM_ALLOC_ENABLE='0')
+    mode = open('/sys/kernel/mm/transparent_hugepage/enabled').read() if os.path.exists(
+        '/sys/kernel/mm/transparent_hugepage/enabled') else '[never]'
+    if '[never]' in mode:  # no huge pages to be had: the import can only ask
+        assert imported == plain == refused == 0 and os.environ.get('THP_MEM_ALLOC_ENABLE') == '1'
+        return
+    assert imported >= 32 * 1024, f"{imported} kB of huge pages for a 64 MB tensor after importing kernels"
+    if '[madvise]' in mode:  # only those who ask get them ('always': everyone)
+        assert plain == 0 and refused == 0, (plain, refused)
 
 
 def test_reference_matches_torch_adamw_exactly_over_steps():
