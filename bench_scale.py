@@ -254,18 +254,16 @@ def scale_config(args):
 
 def run_kind(kind, args):
     """One kind in a fresh process. MALLOC_MMAP_THRESHOLD_: glibc then serves every buffer over 64 KiB with
-    its own mmap and unmaps it when freed, so the RSS falls when tensors die and its peak is a real peak.
-    THP_MEM_ALLOC_ENABLE (torch's CPU allocator): buffers of 2 MB and more are backed by huge pages, so a freshly
-    mapped GB of gathered params faults 512x fewer times (4 GB allocated and filled: 0.27-0.31 s with it, 1.1-3.8 s
-    without, on the 2-core VM of the README; a GPT-2 1.5B step at rank 0 of 64, 14.6 s vs 15.4 s; the same peaks).
-    [Note: malloc for timing] Neither with --link: with the mmap threshold each fresh mmap is page-faulted in again
-    on every step, which made a zero2 step here 554 ms instead of 440 (world 2, 1 thread, quiet machine). With
-    --link the time is what counts, so the kinds run with the allocators as train.py and bench.py zero have them
-    (the RSS peaks then include freed heap: run without --link for those)."""
+    its own mmap and unmaps it when freed, so the RSS falls when tensors die and its peak is a real peak. Each of
+    those fresh mmaps is faulted in again at every step, at 2 MB a fault where kernels.py turned on torch's huge
+    pages ([Note: huge pages on CPU]; 4 GB allocated and filled: 0.27-0.31 s with them, 1.1-3.8 s without).
+    [Note: malloc for timing] Not with --link: even so, the threshold made a zero2 step here 554 ms instead of 440
+    (world 2, 1 thread, quiet machine). With --link the time is what counts, so the kinds run with the allocators
+    as train.py and bench.py zero have them (the RSS peaks then include freed heap: run without --link for those)."""
     cmd = [sys.executable, os.path.abspath(__file__), kind, f'--world={args.world}', f'--config={args.config}']
     cmd += [f'--set={kv}' for kv in args.set] + (['--quick'] if args.quick else []) + (['--build_only'] if args.build_only else [])
     cmd += [f'--link={spec}' for spec in args.link] + ([f'--speedup={args.speedup}'] if args.speedup else [])
-    env = dict(os.environ) if args.link else {**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536', 'THP_MEM_ALLOC_ENABLE': '1'}
+    env = dict(os.environ) if args.link else {**os.environ, 'MALLOC_MMAP_THRESHOLD_': '65536'}
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
     results = [line[len('RESULT '):] for line in out.stdout.splitlines() if line.startswith('RESULT ')]
     if out.returncode != 0 or not results:
