@@ -57,17 +57,19 @@ static void to_planes(const float* table, __m512i (&planes)[4][4]) {
 // (a switch a few ulps off moves u by far less than its slack; a binade without a switch holds a NaN). Clamped to [0, 254], NaN to 254 (then NaN > anything is true:
 // 255). Checked for every fp32 xn in [-1, 1] and NaN (test_kernels.py checks a dense subset through the kernel).
 static void decades(const float* map, CodeMap& c) {
+  const double tenth[7] = {1, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6};
   double first[7] = {}, count[7] = {}, last[7] = {}; int first_code[7] = {}, neg_code[7] = {}; bool neg[7] = {};
   for (int j = 0; j < 256; ++j) {
     const double v = fabs((double)map[j]);
     if (!(v > 0.0 && v < 1.0)) continue;  // 0 and 1 lie on no decade
-    const int z = (int)ceil(-log10(v)) - 1;  // v in [10^-(z+1), 10^-z)
+    int z = 0;
+    while (z < 6 && v < tenth[z + 1]) ++z;  // v in [10^-(z+1), 10^-z)
     if (map[j] > 0) { if (count[z]++ == 0) { first[z] = v; first_code[z] = j; } last[z] = v; }
     else { neg[z] = true; neg_code[z] = j; }  // the last negative of the decade: the smallest |v|
   }
   alignas(64) float slope[16], offset[16], sw[32];
   for (int z = 0; z < 8; ++z) {
-    const double d = z < 7 ? 0.9 * pow(10.0, -z) / count[z] : 1.0;
+    const double d = z < 7 ? 0.9 * tenth[z] / count[z] : 1.0;
     slope[z] = z < 7 ? (float)(1 / d) : 0.0f;  offset[z] = z < 7 ? (float)(first_code[z] - 0.5 - first[z] / d) : -1.0f;
     slope[8 + z] = z < 7 && neg[z] ? (float)(-1 / d) : 0.0f;
     offset[8 + z] = z < 7 && neg[z] ? (float)(neg_code[z] - 0.5 + first[z] / d) : -1.0f;
@@ -147,9 +149,10 @@ static void encode(const float* x, float scale, const CodeMap& map, uint8_t* cod
     const __m512i ks = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(k[1], k[0])),
                                           _mm256_set_m128i(k[3], k[2]), 1);
     lookup(map.mid_planes, map.order, ks, mid);
-    __mmask64 above = 0;  // xn > midpoint k, or NaN
-    for (int q = 0; q < 4; ++q) above |= (__mmask64)_mm512_cmp_ps_mask(xn[q], mid[q], _CMP_NLE_UQ) << 16 * q;
-    _mm512_storeu_si512(codes + j, _mm512_mask_sub_epi8(ks, above, ks, _mm512_set1_epi8(-1)));
+    __mmask16 above[4];  // xn > midpoint k, or NaN
+    for (int q = 0; q < 4; ++q) above[q] = _mm512_cmp_ps_mask(xn[q], mid[q], _CMP_NLE_UQ);
+    const __mmask64 up = _mm512_kunpackd(_mm512_kunpackw(above[3], above[2]), _mm512_kunpackw(above[1], above[0]));
+    _mm512_storeu_si512(codes + j, _mm512_mask_sub_epi8(ks, up, ks, _mm512_set1_epi8(-1)));
   }
 }
 #else
