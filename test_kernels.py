@@ -336,6 +336,20 @@ def test_a_dense_sweep_of_scaled_moments_gets_the_references_codes(impl):
         assert same_bits(ours, theirs)
 
 
+@pytest.mark.parametrize("impl", KERNELS)
+def test_a_nan_moment_is_left_out_of_its_blocks_absmax_and_codes_as_255(impl):
+    # As the reference: the block's absmax is over its other values, and the NaN's code is the last (searchsorted).
+    ref = Shard(512, "remainder", "uint8")
+    shard = ref.to(device_of(impl))
+    grad = torch.randn(512, generator=torch.Generator().manual_seed(1))
+    grad[300] = float("nan")
+    assert shard.step(impl, grad.to(device_of(impl)), weight_decay=0.1, decay_numel=256, step=2) == 1.0
+    assert ref.step("reference", grad, weight_decay=0.1, decay_numel=256, step=2) == 1.0
+    assert ref.absmax[0].isfinite().all() and ref.exp_avg[300] == 255 and ref.exp_avg_sq[300] == 255
+    for ours, theirs in zip((shard.exp_avg, shard.exp_avg_sq, *shard.absmax), (ref.exp_avg, ref.exp_avg_sq, *ref.absmax)):
+        assert same_bits(ours, theirs)  # (the NaN element's weights are a NaN, whose remainder bits may differ)
+
+
 def test_bucket_entries_give_the_number_of_midpoints_below_for_values_near_every_midpoint():
     # The kernels' lookup ([Note: a code in one load]) written in torch: the bucket of the top 16 bits, + 1 if the low
     # 16 bits (flipped for negatives) reach the bucket's threshold. Against searchsorted, both maps, at every midpoint

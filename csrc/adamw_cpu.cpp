@@ -186,7 +186,8 @@ static int adamw_block(const AdamWArgs& args, const CodeMap (&maps)[2], int64_t 
     const float decay = j < cut ? a.decay : 1.0f;
     bad |= adamw_element<W>(a, i, decay, to_float(((const G*)a.grad)[i]), m[j], v[j], master, param);
     put(a.master, i, master); put(a.param, i, param);
-    absmax_m = std::max(absmax_m, magnitude(m[j])); absmax_v = std::max(absmax_v, magnitude(v[j]));
+    const float abs_m = fabsf(m[j]), abs_v = fabsf(v[j]);  // a NaN never passes the > (one vmaxps): it is ignored
+    absmax_m = abs_m > absmax_m ? abs_m : absmax_m; absmax_v = abs_v > absmax_v ? abs_v : absmax_v;
   }
   const float scale_m = code_scale(absmax_m), scale_v = code_scale(absmax_v);
 #if defined(__AVX512VBMI__)
