@@ -343,6 +343,49 @@ def test_values_at_and_beside_every_midpoint_get_the_nearest_code_and_ties_the_l
     assert codes[2].tolist() == list(range(1, 256))                     # above: the upper one
 
 
+@pytest.mark.parametrize("impl", KERNELS)
+def test_a_dense_sweep_of_scaled_moments_gets_the_references_codes(impl):
+    # The CPU kernel estimates each code from its decade and settles it with one compare ([Note: a code from its
+    # decade]; every fp32 in [-1, 1] was checked offline). Here through a step: every 1021st fp32 in [0, 1], both signs,
+    # and 8 ulps either side of every midpoint of both maps. exp_avg = grad / 2 exactly (beta1 = 0.5) and each block
+    # leads with grad 2, so the signed map codes these very values; exp_avg_sq = grad^2 (beta2 = 0) feeds the unsigned one.
+    device = device_of(impl)
+    sweep = kernels._from_unsigned(torch.arange(0, 0x3F800001, 1021), torch.float32)
+    near = [kernels._unsigned(kernels._midpoints(q)) + k for q in (kernels.SIGNED_MAP, kernels.UNSIGNED_MAP)
+            for k in range(-8, 9)]
+    values = torch.cat([sweep, kernels._from_unsigned(torch.cat(near), torch.float32)])
+    values = torch.cat([values, -values, torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45])])
+    values = values[values.abs() <= 1]
+    blocks = -(-len(values) // 255)
+    values = torch.cat([values, torch.zeros(blocks * 255 - len(values))]).view(blocks, 255)
+    grad = 2 * torch.cat([torch.ones(blocks, 1), values], dim=1).view(-1)
+    out = {}
+    for name in (impl, "reference"):
+        d = device if name == impl else torch.device("cpu")
+        exp_avg, exp_avg_sq = torch.zeros(len(grad), dtype=torch.uint8, device=d), torch.zeros_like(grad, dtype=torch.uint8, device=d)
+        absmax = (torch.zeros(blocks, device=d), torch.zeros(blocks, device=d))
+        adamw(name, torch.zeros(len(grad), device=d), grad.to(d), exp_avg, exp_avg_sq, None, torch.zeros(1, device=d),
+              lr=1e-3, beta1=0.5, beta2=0.0, eps=1e-8, weight_decay=0.0, decay_numel=0, step=1, absmax=absmax)
+        out[name] = (exp_avg.cpu(), exp_avg_sq.cpu(), *(a.cpu() for a in absmax))
+    assert out["reference"][2].eq(1.0).all()
+    for ours, theirs in zip(out[impl], out["reference"]):
+        assert same_bits(ours, theirs)
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_a_nan_moment_is_left_out_of_its_blocks_absmax_and_codes_as_255(impl):
+    # As the reference: the block's absmax is over its other values, and the NaN's code is the last (searchsorted).
+    ref = Shard(512, "remainder", "uint8")
+    shard = ref.to(device_of(impl))
+    grad = torch.randn(512, generator=torch.Generator().manual_seed(1))
+    grad[300] = float("nan")
+    assert shard.step(impl, grad.to(device_of(impl)), weight_decay=0.1, decay_numel=256, step=2) == 1.0
+    assert ref.step("reference", grad, weight_decay=0.1, decay_numel=256, step=2) == 1.0
+    assert ref.absmax[0].isfinite().all() and ref.exp_avg[300] == 255 and ref.exp_avg_sq[300] == 255
+    for ours, theirs in zip((shard.exp_avg, shard.exp_avg_sq, *shard.absmax), (ref.exp_avg, ref.exp_avg_sq, *ref.absmax)):
+        assert same_bits(ours, theirs)  # (the NaN element's weights are a NaN, whose remainder bits may differ)
+
+
 def test_bucket_entries_give_the_number_of_midpoints_below_for_values_near_every_midpoint():
     # The kernels' lookup ([Note: a code in one load]) written in torch: the bucket of the top 16 bits, + 1 if the low
     # 16 bits (flipped for negatives) reach the bucket's threshold. Against searchsorted, both maps, at every midpoint

@@ -31,33 +31,128 @@ static int adamw_range(const AdamWArgs& args, int64_t begin, int64_t end, float 
 // codes are permuted first so that the floats come out in order. The multiply by absmax is the scalar one.
 #if defined(__AVX512VBMI__)
 #include <immintrin.h>
-struct CodeMap { __m512i planes[4][4]; };  // planes[k][q]: byte k of map[64 q .. 64 q + 63]
+// planes[k][q]: byte k of table[64 q .. 64 q + 63]; decoding reads the map, encoding its midpoints and the decades
+// ([Note: a code from its decade]).
+struct CodeMap {
+  __m512i planes[4][4], mid_planes[4][4];
+  __m512i order;  // byte 16 L + 4 q + e <- index 16 q + 4 L + e: undoes the interleave's order (lookup)
+  __m512 switch_lo, switch_hi, slope, offset;  // switch: by binade, 2 x 16; slope, offset: by decade and sign
+};
+
+static void to_planes(const float* table, __m512i (&planes)[4][4]) {
+  alignas(64) uint8_t bytes[4][256];
+  for (int j = 0; j < 256; ++j) for (int k = 0; k < 4; ++k) bytes[k][j] = (uint8_t)(bits_of(table[j]) >> 8 * k);
+  for (int k = 0; k < 4; ++k) for (int q = 0; q < 4; ++q) planes[k][q] = _mm512_load_si512(bytes[k] + 64 * q);
+}
+
+// [Note: a code from its decade]
+// The bucket gather costs ~16 cycles per 16 codes; byte permutes look up 64 at once (above). So encoding first
+// estimates each code k from xn's decade, then settles it with one exact compare against midpoint k, looked up like
+// a decode: code = k + (xn > midpoints[k]), which is the reference's count of midpoints below xn whenever the true
+// code is k or k + 1. Within a decade of the dynamic map (values in [0.1, 1) * 10^-z) the values are evenly spaced,
+// d = 0.9 * 10^-z / (their number), so u = c + (|xn| - v) / d (v the decade's first value, c its code; mirrored for
+// negatives) is the code as a real number: the true code is round(u), and k = round(u - 0.5) is within one below it.
+// The decade comes from xn's binade (its exponent, a 32-entry permute) and one compare with the last value of the
+// decade below, the only switch a binade can hold; the decade at the binade's bottom rides in the switch's low 3 bits
+// (a switch a few ulps off moves u by far less than its slack; a binade without a switch holds a NaN). Clamped to [0, 254], NaN to 254 (then NaN > anything is true:
+// 255). Checked for every fp32 xn in [-1, 1] and NaN (test_kernels.py checks a dense subset through the kernel).
+static void decades(const float* map, CodeMap& c) {
+  const double tenth[7] = {1, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6};
+  double first[7] = {}, count[7] = {}, last[7] = {}; int first_code[7] = {}, neg_code[7] = {}; bool neg[7] = {};
+  for (int j = 0; j < 256; ++j) {
+    const double v = fabs((double)map[j]);
+    if (!(v > 0.0 && v < 1.0)) continue;  // 0 and 1 lie on no decade
+    int z = 0;
+    while (z < 6 && v < tenth[z + 1]) ++z;  // v in [10^-(z+1), 10^-z)
+    if (map[j] > 0) { if (count[z]++ == 0) { first[z] = v; first_code[z] = j; } last[z] = v; }
+    else { neg[z] = true; neg_code[z] = j; }  // the last negative of the decade: the smallest |v|
+  }
+  alignas(64) float slope[16], offset[16], sw[32];
+  for (int z = 0; z < 8; ++z) {
+    const double d = z < 7 ? 0.9 * tenth[z] / count[z] : 1.0;
+    slope[z] = z < 7 ? (float)(1 / d) : 0.0f;  offset[z] = z < 7 ? (float)(first_code[z] - 0.5 - first[z] / d) : -1.0f;
+    slope[8 + z] = z < 7 && neg[z] ? (float)(-1 / d) : 0.0f;
+    offset[8 + z] = z < 7 && neg[z] ? (float)(neg_code[z] - 0.5 + first[z] / d) : -1.0f;
+  }
+  for (int i = 0; i < 32; ++i) {  // binade [2^(i - 31), 2^(i - 30)); below it, binade 0
+    const double lo = ldexp(1.0, i - 31), hi = 2 * lo;
+    uint32_t decade = 6, at = 0x7FC00000u;  // no switch: a quiet NaN, never exceeded
+    for (int z = 0; z < 6; ++z) {  // above the last value of decade z + 1: decade z
+      if (last[z + 1] < lo) decade = std::min(decade, (uint32_t)z);
+      else if (last[z + 1] < hi) at = bits_of((float)last[z + 1]);
+    }
+    sw[i] = float_of((at & ~7u) | decade);
+  }
+  c.slope = _mm512_load_ps(slope); c.offset = _mm512_load_ps(offset);
+  c.switch_lo = _mm512_load_ps(sw); c.switch_hi = _mm512_load_ps(sw + 16);
+}
 
 static CodeMap code_map(const float* map) {
   CodeMap c;
-  alignas(64) uint8_t bytes[4][256];
-  for (int j = 0; j < 256; ++j) for (int k = 0; k < 4; ++k) bytes[k][j] = (uint8_t)(bits_of(map[j]) >> 8 * k);
-  for (int k = 0; k < 4; ++k) for (int q = 0; q < 4; ++q) c.planes[k][q] = _mm512_load_si512(bytes[k] + 64 * q);
+  float midpoints[256];
+  for (int j = 0; j < 255; ++j) midpoints[j] = (map[j] + map[j + 1]) / 2;  // as kernels._midpoints
+  midpoints[255] = INFINITY;  // never looked up: k <= 254
+  to_planes(map, c.planes); to_planes(midpoints, c.mid_planes);
+  alignas(64) uint8_t order[64];
+  for (int x = 0; x < 64; ++x) order[x] = (uint8_t)(16 * (x / 4 % 4) + 4 * (x / 16) + x % 4);
+  c.order = _mm512_load_si512(order);
+  decades(map, c);
   return c;
 }
 
+// 64 table entries for 64 byte indices, out[q] = table[idx[16 q .. 16 q + 15]].
+static void lookup(const __m512i (&planes)[4][4], __m512i order, __m512i idx, __m512 (&out)[4]) {
+  const __m512i c = _mm512_permutexvar_epi8(order, idx);
+  const __mmask64 upper = _mm512_movepi8_mask(c);  // indices >= 128: the upper 128 entries
+  __m512i b[4];
+  for (int k = 0; k < 4; ++k)
+    b[k] = _mm512_mask_blend_epi8(upper, _mm512_permutex2var_epi8(planes[k][0], c, planes[k][1]),
+                                         _mm512_permutex2var_epi8(planes[k][2], c, planes[k][3]));
+  const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+  const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+  out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23));
+  out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
+  out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
+  out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
+}
+
 static void decode(const uint8_t* codes, const CodeMap& map, float absmax, float* out) {  // 256 codes
-  alignas(64) uint8_t order[64];  // byte 16 L + 4 q + e <- code 16 q + 4 L + e: undoes the interleave's order
-  for (int x = 0; x < 64; ++x) order[x] = (uint8_t)(16 * (x / 4 % 4) + 4 * (x / 16) + x % 4);
-  const __m512i shuffle = _mm512_load_si512(order);
   const __m512 scale = _mm512_set1_ps(absmax);
   for (int j = 0; j < 256; j += 64) {
-    const __m512i c = _mm512_permutexvar_epi8(shuffle, _mm512_loadu_si512(codes + j));
-    const __mmask64 upper = _mm512_movepi8_mask(c);  // codes >= 128: the upper 128 entries
-    __m512i b[4];
-    for (int k = 0; k < 4; ++k)
-      b[k] = _mm512_mask_blend_epi8(upper, _mm512_permutex2var_epi8(map.planes[k][0], c, map.planes[k][1]),
-                                           _mm512_permutex2var_epi8(map.planes[k][2], c, map.planes[k][3]));
-    const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
-    const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
-    const __m512i f[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
-                          _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
-    for (int q = 0; q < 4; ++q) _mm512_store_ps(out + j + 16 * q, _mm512_mul_ps(_mm512_castsi512_ps(f[q]), scale));
+    __m512 f[4];
+    lookup(map.planes, map.order, _mm512_loadu_si512(codes + j), f);
+    for (int q = 0; q < 4; ++q) _mm512_store_ps(out + j + 16 * q, _mm512_mul_ps(f[q], scale));
+  }
+}
+
+static __m512i estimate(__m512 xn, const CodeMap& map) {  // [Note: a code from its decade]
+  const __m512 y = _mm512_abs_ps(xn);
+  const __m512i binade = _mm512_max_epi32(_mm512_srli_epi32(_mm512_castps_si512(y), 23), _mm512_set1_epi32(96));
+  const __m512 sw = _mm512_permutex2var_ps(map.switch_lo, binade, map.switch_hi);  // the low 5 bits index
+  __m512i decade = _mm512_and_si512(_mm512_castps_si512(sw), _mm512_set1_epi32(7));
+  decade = _mm512_mask_sub_epi32(decade, _mm512_cmp_ps_mask(y, sw, _CMP_GT_OQ), decade, _mm512_set1_epi32(1));
+  decade = _mm512_mask_add_epi32(decade, _mm512_movepi32_mask(_mm512_castps_si512(xn)), decade, _mm512_set1_epi32(8));
+  __m512 u = _mm512_fmadd_ps(y, _mm512_permutexvar_ps(decade, map.slope), _mm512_permutexvar_ps(decade, map.offset));
+  u = _mm512_max_ps(_mm512_min_ps(u, _mm512_set1_ps(254.0f)), _mm512_setzero_ps());  // min: a NaN u gives 254
+  return _mm512_cvtps_epi32(u);  // to nearest
+}
+
+static void encode(const float* x, float scale, const CodeMap& map, uint8_t* codes) {  // 256 values
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int j = 0; j < 256; j += 64) {
+    __m512 xn[4], mid[4];
+    __m128i k[4];
+    for (int q = 0; q < 4; ++q) {
+      xn[q] = _mm512_div_ps(_mm512_load_ps(x + j + 16 * q), s);
+      k[q] = _mm512_cvtepi32_epi8(estimate(xn[q], map));
+    }
+    const __m512i ks = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(k[1], k[0])),
+                                          _mm256_set_m128i(k[3], k[2]), 1);
+    lookup(map.mid_planes, map.order, ks, mid);
+    __mmask16 above[4];  // xn > midpoint k, or NaN
+    for (int q = 0; q < 4; ++q) above[q] = _mm512_cmp_ps_mask(xn[q], mid[q], _CMP_NLE_UQ);
+    const __mmask64 up = _mm512_kunpackd(_mm512_kunpackw(above[3], above[2]), _mm512_kunpackw(above[1], above[0]));
+    _mm512_storeu_si512(codes + j, _mm512_mask_sub_epi8(ks, up, ks, _mm512_set1_epi8(-1)));
   }
 }
 #else
@@ -81,23 +176,30 @@ static int adamw_block(const AdamWArgs& args, const CodeMap (&maps)[2], int64_t 
   decode(codes_m, maps[0], a.exp_avg_absmax[block], m);
   decode(codes_v, maps[1], a.exp_avg_sq_absmax[block], v);
   float absmax_m = 0.0f, absmax_v = 0.0f;
+  const int cut = (int)std::clamp<int64_t>(a.decay_numel - block * 256, 0, 256);  // j < cut: decayed (32-bit lanes)
   int bad = 0;
   #pragma omp simd reduction(|:bad) reduction(max:absmax_m, absmax_v)
   for (int j = 0; j < 256; ++j) {
     const int64_t i = block * 256 + j;
     M master = get<M>(a.master, i);
     P param = W::reads_param ? get<P>(a.param, i) : P{};
-    const float decay = i < a.decay_numel ? a.decay : 1.0f;
+    const float decay = j < cut ? a.decay : 1.0f;
     bad |= adamw_element<W>(a, i, decay, to_float(((const G*)a.grad)[i]), m[j], v[j], master, param);
     put(a.master, i, master); put(a.param, i, param);
-    absmax_m = std::max(absmax_m, magnitude(m[j])); absmax_v = std::max(absmax_v, magnitude(v[j]));
+    const float abs_m = fabsf(m[j]), abs_v = fabsf(v[j]);  // a NaN never passes the > (one vmaxps): it is ignored
+    absmax_m = abs_m > absmax_m ? abs_m : absmax_m; absmax_v = abs_v > absmax_v ? abs_v : absmax_v;
   }
   const float scale_m = code_scale(absmax_m), scale_v = code_scale(absmax_v);
+#if defined(__AVX512VBMI__)
+  encode(m, scale_m, maps[0], codes_m);
+  encode(v, scale_v, maps[1], codes_v);
+#else
   #pragma omp simd
   for (int j = 0; j < 256; ++j) {
     codes_m[j] = quantize(m[j], scale_m, a.buckets + SIGNED_BUCKETS);
     codes_v[j] = quantize(v[j], scale_v, a.buckets + UNSIGNED_BUCKETS);
   }
+#endif
   a.exp_avg_absmax[block] = absmax_m; a.exp_avg_sq_absmax[block] = absmax_v;
   return bad;
 }
