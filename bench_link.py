@@ -59,7 +59,10 @@ def fit(points, world_size, kind='all_gather'):
     t = torch.tensor([seconds for _, seconds in points], dtype=torch.float64)
     design = torch.stack([torch.full_like(x, steps * (world_size - 1.0)), x], dim=1) / t.unsqueeze(1)
     latency, inverse_bandwidth = torch.linalg.lstsq(design, torch.ones_like(t).unsqueeze(1)).solution.squeeze(1).tolist()
-    return 1 / inverse_bandwidth, latency
+    if inverse_bandwidth <= 0:
+        raise RuntimeError(f"{kind}: the timings do not fit a ring (larger buffers were not slower): run again on a "
+                           "quieter machine")
+    return 1 / inverse_bandwidth, max(latency, 0.0)  # noise can fit a latency a hair below 0
 
 
 def bench_link(args):

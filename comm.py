@@ -166,15 +166,22 @@ def parse_link(spec, clock=None):
             return Link(bandwidth, latency, f"{bandwidth / 1e9:g} GB/s, {latency * 1e6:g} µs", clock)
         per_kind = {}
         for part in spec.split('/'):
-            key, numbers = part.split('=')
+            key, _, numbers = part.partition('=')
+            if key not in KIND_KEYS:
+                raise ValueError(f"unknown collective {key!r} (ag, rs or ar)")
             if KIND_KEYS[key] in per_kind:
-                raise ValueError(spec)
-            per_kind[KIND_KEYS[key]] = parse_numbers(numbers)
-        if not {'all_gather', 'reduce_scatter'} <= set(per_kind):
-            raise ValueError(spec)
-    except (KeyError, ValueError):
-        raise ValueError(f"--link {spec!r}: give one of {', '.join(LINKS)}, BANDWIDTH_GBps[,LATENCY_us] (e.g. 50,5), "
-                         "or one per collective: ag=B,L/rs=B,L[/ar=B,L]") from None
+                raise ValueError(f"{key}= given twice")
+            try:
+                per_kind[KIND_KEYS[key]] = parse_numbers(numbers)
+            except ValueError:
+                raise ValueError(f"{key}={numbers!r} is not a bandwidth > 0 and a latency >= 0") from None
+        missing = [key for key in ('ag', 'rs') if KIND_KEYS[key] not in per_kind]
+        if missing:
+            raise ValueError(f"{' and '.join(missing)}= missing")
+    except ValueError as e:
+        why = f"{e}; " if '=' in spec else ''
+        raise ValueError(f"--link {spec!r}: {why}give one of {', '.join(LINKS)}, BANDWIDTH_GBps[,LATENCY_us] (e.g. 50,5), "
+                         "or one per collective: ag=B,L/rs=B,L[/ar=B,L] (B in GB/s, L in µs)") from None
     return Link(*per_kind['all_gather'], spec, clock, per_kind=per_kind)
 
 

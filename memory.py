@@ -145,7 +145,7 @@ def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, act=NO_ACTI
     Stage 3 also holds gathered units, less their own shards where a gathered unit frees them (fsdp_lite [Note: a
     gathered unit holds its shard once]): the root from its forward to the end of backward; in (B) the `prefetch`
     blocks the root's pre-backward gathers, in (C) prefetch + 1 blocks; every block, without reshard_after_forward.
-    Not modelled: a block's backward temporaries (grads of its activations: a few values per token and channel), the
+    Not modelled: a block's backward temporaries beyond the ~8 values per token and channel Activations.block counts, the
     all-gather input's cast, stage 0's bf16 copy of fp32 params under autocast, allocator slack."""
     r, p = cfg.reduce_dtype.itemsize, cfg.param_dtype.itemsize if stage > 0 else 4  # stage 0: DDP's fp32 params
     bucket = {0: 0, 1: 0, 2: min(psi, max(cfg.bucket_mb * 2**20 // r, block_numel)), 3: block_numel}[stage]
@@ -155,7 +155,7 @@ def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, act=NO_ACTI
     moments = {'A': act.blocks + act.head + act.forward + share * (root_numel + kept),
                'B': act.blocks + act.head + act.backward + cast + share * (root_numel + max(kept, cfg.prefetch * block_numel)),
                'C': act.others + pending + max(act.block, bucket * (p + r)) + share * (root_numel + max(kept, (cfg.prefetch + 1) * block_numel)),
-               'D': 2 * pending + share * root_numel}
+               'D': max(2 * pending, pending + (root_numel * r if stage > 1 else 0)) + share * root_numel}
     return max(moments.values())
 
 

@@ -78,9 +78,11 @@ def test_a_link_per_collective_times_each_kind_with_its_own_bandwidth_and_latenc
     own = comm.parse_link('rs=1,300/ag=2,100/ar=4,50')  # its own ring, twice: 2 * (3/4 * 8e6 / 4e9 + 3 * 50 µs)
     assert own.seconds('all_reduce', 8_000_000, 4) == pytest.approx(3.3e-3, rel=1e-12)
     assert own.seconds('all_gather', 8_000_000, 4) == pytest.approx(3.3e-3, rel=1e-12)
-    for bad in ('ag=2,100', 'ag=2,100/rs=0,1', 'ag=2,100/rs=1,1/xx=1,1', 'ag=2,100/ag=2,100/rs=1,1', 'ag=2=3/rs=1'):
-        with pytest.raises(ValueError, match='ag=B,L/rs=B,L'):
+    for bad, why in (('ag=2,100', 'rs= missing'), ('ag=2,100/rs=0,1', "rs='0,1' is not"), ('ag=2,100/rs=1,1/xx=1,1',
+                     "unknown collective 'xx'"), ('ag=2,100/ag=2,100/rs=1,1', 'ag= given twice'), ('ag=2=3/rs=1', "ag='2=3'")):
+        with pytest.raises(ValueError, match='ag=B,L/rs=B,L') as error:  # what is wrong, and the forms that work
             comm.parse_link(bad)
+        assert why in str(error.value), (bad, str(error.value))
 
 
 def test_bench_link_fits_a_ring_exactly():

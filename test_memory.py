@@ -120,6 +120,19 @@ def test_estimate_as_configured_equals_the_startup_table_of_a_real_two_rank_run(
 # zero_stage='auto'
 
 
+def test_the_roots_backward_holds_the_summed_embedding_grad_beside_the_roots_grad_buffer_in_bf16():
+    """[Note: the peak], moment D, where the params' dtype is narrower than the reduce dtype (bf16 params, fp32 grads
+    reduced): the embedding's grad summed into the pending one (2 bytes an element), then beside the root's fp32 grad
+    buffer being filled from it (4 bytes): 6 bytes per root element, where two bf16 grads alone would say 4. A root far
+    larger than a block, no activations: D is the peak. Stage 3 adds the gathered bf16 root, 2 bytes (an fp32 master:
+    the gather's input is a cast of it, so the unit lends no shard)."""
+    root, block = 10_000_000, 1000
+    for stage, gathered in ((2, 0), (3, 2)):
+        cfg = zero.ZeroConfig(stage=stage, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, bucket_mb=0.001)
+        got = memory.transient_bytes(stage, cfg, block, root, psi=root + 10 * block, world=4)
+        assert got == pytest.approx(root * (2 + 4 + gathered)), (stage, got / root)
+
+
 def hand_estimates(world):
     """Per stage, bytes per rank for auto_config's GPT (fp32 compute and grads, 1 MiB buckets), written out from the
     formulas: model states + the worst moment of [Note: the peak]."""
@@ -273,9 +286,9 @@ def test_activation_checkpointing_saves_the_memory_the_estimate_says():
                                 text=True, check=True, env={**QUIET, 'MALLOC_MMAP_THRESHOLD_': '65536'}).stdout) for ck in (0, 1)]
     estimates = [memory.activation_bytes(L, C, V, B * T, 4, checkpointing=ck) for ck in (False, True)]
     saved, estimated = peaks[0] - peaks[1], estimates[0] - estimates[1]
-    assert abs(saved / estimated - 1) < 0.05, (peaks, estimates)  # measured here: 110.0 vs 110.1 MB
+    assert abs(saved / estimated - 1) < 0.05, (peaks, estimates)  # measured: 110.0 saved vs 109.05 MB estimated
     for peak, estimate in zip(peaks, estimates):
-        assert abs(peak / estimate - 1) < 0.15, (peaks, estimates)  # 140.6 vs 137.9 MB, 30.6 vs 27.8 MB
+        assert abs(peak / estimate - 1) < 0.15, (peaks, estimates)  # 140.6 vs 142.6 MB, 30.6 vs 33.6 MB
 
 
 # -----------------------------------------------------------------------------

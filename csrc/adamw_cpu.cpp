@@ -55,7 +55,8 @@ static void to_planes(const float* table, __m512i (&planes)[4][4]) {
 // The decade comes from xn's binade (its exponent, a 32-entry permute) and one compare with the last value of the
 // decade below, the only switch a binade can hold; the decade at the binade's bottom rides in the switch's low 3 bits
 // (a switch a few ulps off moves u by far less than its slack; a binade without a switch holds a NaN). Clamped to [0, 254], NaN to 254 (then NaN > anything is true:
-// 255). Checked for every fp32 xn in [-1, 1] and NaN (test_kernels.py checks a dense subset through the kernel).
+// 255). Checked once, while written, for every fp32 xn in [-1, 1] and NaN by a checker not kept in the repository;
+// test_kernels.py checks a dense subset through the kernel.
 static void decades(const float* map, CodeMap& c) {
   const double tenth[7] = {1, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6};
   double first[7] = {}, count[7] = {}, last[7] = {}; int first_code[7] = {}, neg_code[7] = {}; bool neg[7] = {};
