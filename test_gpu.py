@@ -460,12 +460,7 @@ def test_cuda_8bit_path_in_unaligned_views_equals_the_cpu_kernel():
 
 @cuda_only
 def test_bench_modes_prints_a_finite_fraction_of_copy_bandwidth_for_every_mode():
-    import bench
-    out = subprocess.run([sys.executable, "bench.py", "kernels", "--device", "cuda", "--sizes", "1M", "--modes"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line for line in out.stdout.splitlines() if line.strip().startswith("1,048,576")]
-    assert [row[12:43].strip() for row in rows] == [mode[0] for mode in bench.PRECISION_MODES]
+    rows = test_kernels.bench_modes_rows("cuda", "1M", "1,048,576", timeout=600)
     of_copy = [float(row.split()[-1]) for row in rows]
     assert all(0.0 < f < 2.0 for f in of_copy), of_copy  # a GPU copy moves each byte once: no mode can beat it by 2x
 

@@ -955,13 +955,19 @@ def test_bench_kernels_prints_a_row_per_size(grad_dtype):
     assert [row[0] for row in rows] == ["1,000", "4,096"] and all(len(row) == 9 for row in rows)
 
 
-def test_bench_kernels_modes_prints_a_row_per_mode():
+def bench_modes_rows(device, size, label, timeout):
+    """`bench.py kernels --modes` run on one size: its table rows, checked to be one per mode, in order."""
     import bench
-    out = subprocess.run([sys.executable, "bench.py", "kernels", "--device", "cpu", "--sizes", "4K", "--modes"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "bench.py", "kernels", "--device", device, "--sizes", size, "--modes"],
+                         capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line for line in out.stdout.splitlines() if line.strip().startswith("4,096")]
+    rows = [line for line in out.stdout.splitlines() if line.strip().startswith(label)]
     assert [row[12:43].strip() for row in rows] == [mode[0] for mode in bench.PRECISION_MODES]
+    return rows
+
+
+def test_bench_kernels_modes_prints_a_row_per_mode():
+    rows = bench_modes_rows("cpu", "4K", "4,096", timeout=300)
     assert float(rows[0].split()[-2]) == 1.0  # ratio: the first mode against itself
     of_copy = [float(row.split()[-1]) for row in rows]  # the fraction of the copy bandwidth of each mode's bytes
     assert all(0.0 < f < 100.0 for f in of_copy), of_copy
