@@ -142,14 +142,14 @@ LINKS = {
 KIND_KEYS = {'ag': 'all_gather', 'rs': 'reduce_scatter', 'ar': 'all_reduce'}  # per-collective --link keys
 
 
-def parse_numbers(spec):
+def parse_numbers(spec, key=''):
     """'BANDWIDTH_GBps[,LATENCY_us]' -> (bytes/s, seconds); latency 0 if left out; ValueError if not that."""
     try:
         numbers = [float(x) for x in spec.split(',')]
     except ValueError:
         numbers = []
     if not 1 <= len(numbers) <= 2 or numbers[0] <= 0 or min(numbers) < 0 or not all(map(math.isfinite, numbers)):
-        raise ValueError(spec)
+        raise ValueError(f"{key}{spec!r} is not a bandwidth > 0 and a latency >= 0")
     return numbers[0] * 1e9, (numbers[1] if len(numbers) == 2 else 0.0) / 1e6
 
 
@@ -171,16 +171,12 @@ def parse_link(spec, clock=None):
                 raise ValueError(f"unknown collective {key!r} (ag, rs or ar)")
             if KIND_KEYS[key] in per_kind:
                 raise ValueError(f"{key}= given twice")
-            try:
-                per_kind[KIND_KEYS[key]] = parse_numbers(numbers)
-            except ValueError:
-                raise ValueError(f"{key}={numbers!r} is not a bandwidth > 0 and a latency >= 0") from None
+            per_kind[KIND_KEYS[key]] = parse_numbers(numbers, f"{key}=")
         missing = [key for key in ('ag', 'rs') if KIND_KEYS[key] not in per_kind]
         if missing:
             raise ValueError(f"{' and '.join(missing)}= missing")
     except ValueError as e:
-        why = f"{e}; " if '=' in spec else ''
-        raise ValueError(f"--link {spec!r}: {why}give one of {', '.join(LINKS)}, BANDWIDTH_GBps[,LATENCY_us] (e.g. 50,5), "
+        raise ValueError(f"--link {spec!r}: {e}; give one of {', '.join(LINKS)}, BANDWIDTH_GBps[,LATENCY_us] (e.g. 50,5), "
                          "or one per collective: ag=B,L/rs=B,L[/ar=B,L] (B in GB/s, L in µs)") from None
     return Link(*per_kind['all_gather'], spec, clock, per_kind=per_kind)
 
