@@ -78,9 +78,9 @@ HD fp16 fp16_nearest_even(float x) {
 HD uint32_t lowbias32(uint32_t x) {
   x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16; return x;
 }
-HD uint32_t rounding_hash(uint32_t seed, uint32_t step, int64_t index) {
-  const uint32_t h = lowbias32(lowbias32((uint32_t)index) ^ (uint32_t)((uint64_t)index >> 32));
-  return lowbias32(lowbias32(h ^ step) ^ seed);
+HD uint32_t rounding_key(uint32_t seed, uint32_t step) { return lowbias32(lowbias32(seed) ^ step); }  // once a step
+HD uint32_t rounding_hash(uint32_t key, int64_t index) {  // two mixes an element: [Note: stochastic rounding, reproducibly]
+  return lowbias32(lowbias32((uint32_t)index ^ key) ^ (uint32_t)((uint64_t)index >> 32));
 }
 
 // Weights policies: where the fp32 weights come from and where they go. param_t is read only if reads_param.
@@ -109,7 +109,7 @@ template <bool stochastic> struct NoMaster {  // the bf16 param is the only copy
   using master_t = Empty; using param_t = bf16; static constexpr bool reads_param = true;
   static HD float load(Empty, bf16 param) { return to_float(param); }
   static HD void store(const AdamWArgs& a, int64_t i, float x, Empty&, bf16& param) {
-    param = stochastic ? bf16_round(x, rounding_hash(a.seed, a.step, a.index_offset + i) & 0xFFFFu)
+    param = stochastic ? bf16_round(x, rounding_hash(rounding_key(a.seed, a.step), a.index_offset + i) & 0xFFFFu)
                        : bf16_nearest_even(x);
   }
 };
