@@ -54,9 +54,11 @@ static void to_planes(const float* table, __m512i (&planes)[4][4]) {
 // negatives) is the code as a real number: the true code is round(u), and k = round(u - 0.5) is within one below it.
 // The decade comes from xn's binade (its exponent, a 32-entry permute) and one compare with the last value of the
 // decade below, the only switch a binade can hold; the decade at the binade's bottom rides in the switch's low 3 bits
-// (a switch a few ulps off moves u by far less than its slack; a binade without a switch holds a NaN). Clamped to [0, 254], NaN to 254 (then NaN > anything is true:
-// 255). Checked once, while written, for every fp32 xn in [-1, 1] and NaN by a checker not kept in the repository;
-// test_kernels.py checks a dense subset through the kernel.
+// (a switch a few ulps off moves u by far less than its slack; a binade without a switch holds a NaN). u < 0 gives 0;
+// a NaN u, and u past 255, give 255 (unsigned conversion, then bytes saturated), and the settle's add saturates too:
+// midpoint 255 is inf, so only a NaN xn passes it, and stays 255. The unsigned map (exp_avg_sq) has no negatives to
+// mirror: its xn < 0 is estimated as 0, code 0. Checked, while written, for every fp32 xn in [-1, 1] and NaN, both
+// maps, by a checker not kept in the repository; test_kernels.py checks a dense subset through the kernel.
 static void decades(const float* map, CodeMap& c) {
   const double tenth[7] = {1, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6};
   double first[7] = {}, count[7] = {}, last[7] = {}; int first_code[7] = {}, neg_code[7] = {}; bool neg[7] = {};
@@ -126,18 +128,19 @@ static void decode(const uint8_t* codes, const CodeMap& map, float absmax, float
   }
 }
 
+template <bool is_signed>
 static __m512i estimate(__m512 xn, const CodeMap& map) {  // [Note: a code from its decade]
-  const __m512 y = _mm512_abs_ps(xn);
+  const __m512 y = is_signed ? _mm512_abs_ps(xn) : _mm512_max_ps(_mm512_setzero_ps(), xn);  // unsigned: < 0 is code 0
   const __m512i binade = _mm512_max_epi32(_mm512_srli_epi32(_mm512_castps_si512(y), 23), _mm512_set1_epi32(96));
   const __m512 sw = _mm512_permutex2var_ps(map.switch_lo, binade, map.switch_hi);  // the low 5 bits index
   __m512i decade = _mm512_and_si512(_mm512_castps_si512(sw), _mm512_set1_epi32(7));
   decade = _mm512_mask_sub_epi32(decade, _mm512_cmp_ps_mask(y, sw, _CMP_GT_OQ), decade, _mm512_set1_epi32(1));
-  decade = _mm512_mask_add_epi32(decade, _mm512_movepi32_mask(_mm512_castps_si512(xn)), decade, _mm512_set1_epi32(8));
+  if (is_signed) decade = _mm512_mask_add_epi32(decade, _mm512_movepi32_mask(_mm512_castps_si512(xn)), decade, _mm512_set1_epi32(8));
   __m512 u = _mm512_fmadd_ps(y, _mm512_permutexvar_ps(decade, map.slope), _mm512_permutexvar_ps(decade, map.offset));
-  u = _mm512_max_ps(_mm512_min_ps(u, _mm512_set1_ps(254.0f)), _mm512_setzero_ps());  // min: a NaN u gives 254
-  return _mm512_cvtps_epi32(u);  // to nearest
+  return _mm512_cvtps_epu32(_mm512_max_ps(_mm512_setzero_ps(), u));  // max keeps a NaN u (its second operand)
 }
 
+template <bool is_signed>
 static void encode(const float* x, float scale, const CodeMap& map, uint8_t* codes) {  // 256 values
   const __m512 s = _mm512_set1_ps(scale);
   for (int j = 0; j < 256; j += 64) {
@@ -145,7 +148,7 @@ static void encode(const float* x, float scale, const CodeMap& map, uint8_t* cod
     __m128i k[4];
     for (int q = 0; q < 4; ++q) {
       xn[q] = _mm512_div_ps(_mm512_load_ps(x + j + 16 * q), s);
-      k[q] = _mm512_cvtepi32_epi8(estimate(xn[q], map));
+      k[q] = _mm512_cvtusepi32_epi8(estimate<is_signed>(xn[q], map));  // saturated: 255 at most
     }
     const __m512i ks = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(k[1], k[0])),
                                           _mm256_set_m128i(k[3], k[2]), 1);
@@ -153,7 +156,7 @@ static void encode(const float* x, float scale, const CodeMap& map, uint8_t* cod
     __mmask16 above[4];  // xn > midpoint k, or NaN
     for (int q = 0; q < 4; ++q) above[q] = _mm512_cmp_ps_mask(xn[q], mid[q], _CMP_NLE_UQ);
     const __mmask64 up = _mm512_kunpackd(_mm512_kunpackw(above[3], above[2]), _mm512_kunpackw(above[1], above[0]));
-    _mm512_storeu_si512(codes + j, _mm512_mask_sub_epi8(ks, up, ks, _mm512_set1_epi8(-1)));
+    _mm512_storeu_si512(codes + j, _mm512_mask_adds_epu8(ks, up, ks, _mm512_set1_epi8(1)));  // 255 stays 255
   }
 }
 #else
@@ -192,8 +195,8 @@ static int adamw_block(const AdamWArgs& args, const CodeMap (&maps)[2], int64_t 
   }
   const float scale_m = code_scale(absmax_m), scale_v = code_scale(absmax_v);
 #if defined(__AVX512VBMI__)
-  encode(m, scale_m, maps[0], codes_m);
-  encode(v, scale_v, maps[1], codes_v);
+  encode<true>(m, scale_m, maps[0], codes_m);
+  encode<false>(v, scale_v, maps[1], codes_v);
 #else
   #pragma omp simd
   for (int j = 0; j < 256; ++j) {
