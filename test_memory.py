@@ -296,25 +296,30 @@ def test_activation_checkpointing_saves_the_memory_the_estimate_says():
 # compiled stage 3 never holds more than compiled stage 2
 
 
-def allocated_peak(_, out_dir, overrides):
-    """Rank 0 of 2 (the fake process group), built and trained 3 steps as train.py does, with the profiler counting
-    every allocation of torch's CPU allocator from before the model exists; saves the peak of the bytes allocated at
-    once. The same count in every run: each collective is done when launched, on this thread, so every buffer is freed
-    at a fixed point and the profiler sees each free. Under gloo it did not: its reduce-scatter clones the input for its
-    worker thread, and when that thread let go of a clone last, outside the profiler's view, the free went unreported:
-    the tied embedding's 12.9 MB clone counted as held from then on (stage 2 at 172.74 MB, not 159.86, in some runs)."""
-    dist.init_process_group('fake', rank=0, world_size=2, store=FakeStore())
-    cfg = train.parse_config(['config/shakespeare_cpu.py'] + overrides)
+def rank0_peak(overrides, world_size, steps):
+    """Rank 0 of world_size (the fake process group), built and trained `steps` steps as train.py does, with the
+    profiler counting every allocation of torch's CPU allocator from before the model exists. Returns the peak of the
+    bytes allocated at once, and the config, model and engine; call it in a fresh process. The same count in every run:
+    each collective is done when launched, on this thread, so every buffer is freed at a fixed point and the profiler
+    sees each free. Under gloo it did not: its reduce-scatter clones the input for its worker thread, and when that
+    thread let go of a clone last, outside the profiler's view, the free went unreported: the tied embedding's 12.9 MB
+    clone counted as held from then on (stage 2 of the test below at 172.74 MB, not 159.86, in some runs)."""
+    dist.init_process_group('fake', rank=0, world_size=world_size, store=FakeStore())
+    cfg = train.parse_config(overrides)
     data = train.load_split(train.data_dir(cfg), 'train')
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     profiler.start()
-    _, engine = train.build(cfg, torch.device('cpu'), train.model_args(cfg, train.vocab_size(cfg)))
-    for it in range(3):
-        train.train_step(engine, train.train_batches(data, it, cfg, 0, 2, torch.device('cpu')), 1e-3, nullcontext())
+    model, engine = train.build(cfg, torch.device('cpu'), train.model_args(cfg, train.vocab_size(cfg)))
+    for it in range(steps):
+        train.train_step(engine, train.train_batches(data, it, cfg, 0, world_size, torch.device('cpu')), 1e-3, nullcontext())
     profiler.stop()
     events = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events() if e.name() == '[memory]')
-    torch.save(max(itertools.accumulate(n for _, n in events)), os.path.join(out_dir, 'peak.pt'))
     dist.destroy_process_group()
+    return max(itertools.accumulate(n for _, n in events)), cfg, model, engine
+
+
+def allocated_peak(_, out_dir, overrides):
+    torch.save(rank0_peak(['config/shakespeare_cpu.py'] + overrides, 2, 3)[0], os.path.join(out_dir, 'peak.pt'))
 
 
 def test_compiled_stage_3_peaks_no_higher_than_compiled_stage_2(tmp_path):
@@ -383,27 +388,16 @@ def test_bench_scale_prints_a_row_per_kind_and_counts_what_the_estimator_says():
 # the peak: the estimate against every byte torch's CPU allocator hands out
 
 PEAK = """
-import itertools, json, sys, torch, torch.distributed as dist
-from contextlib import nullcontext
-from torch.testing._internal.distributed.fake_pg import FakeStore
-import memory, train
-for overrides in json.loads(sys.argv[1]):  # rank 0 of 8 (the fake process group), as bench.py scale builds it
-    dist.init_process_group('fake', rank=0, world_size=8, store=FakeStore())
-    cfg = train.parse_config(overrides + ['--gradient_accumulation_steps=8'])  # one micro-step
-    data, args, zcfg = train.load_split(train.data_dir(cfg), 'train'), train.model_args(cfg, train.vocab_size(cfg)), train.zero_config(cfg)
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-    profiler.start()
-    model, engine = train.build(cfg, torch.device('cpu'), args)
-    for it in range(2):
-        train.train_step(engine, train.train_batches(data, it, cfg, 0, 8, torch.device('cpu')), 1e-3, nullcontext())
-    profiler.stop()
-    events = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events() if e.name() == '[memory]')
-    act = memory.activations(cfg['n_layer'], cfg['n_embd'], args['vocab_size'], cfg['batch_size'] * cfg['block_size'], 4,
+import json, sys, memory, train
+from test_memory import rank0_peak
+for overrides in json.loads(sys.argv[1]):  # rank 0 of 8, as bench.py scale builds it; one micro-step, two steps
+    allocated, cfg, model, engine = rank0_peak(overrides + ['--gradient_accumulation_steps=8'], 8, 2)
+    zcfg = train.zero_config(cfg)
+    act = memory.activations(cfg['n_layer'], cfg['n_embd'], train.vocab_size(cfg), cfg['batch_size'] * cfg['block_size'], 4,
                              cfg['activation_checkpointing'])
     states = sum(b for _, b in memory.model_states(zcfg.stage, engine.psi, 8, zcfg).values())
     estimate = states + memory.transient_bytes(zcfg.stage, zcfg, *memory.unit_sizes(model, model.transformer.h), engine.psi, 8, act)
-    print(json.dumps([max(itertools.accumulate(n for _, n in events)), estimate]), flush=True)
-    dist.destroy_process_group()
+    print(json.dumps([allocated, estimate]), flush=True)
 """
 
 PEAK_SHAPES = {  # each with a different worst moment of [Note: the peak]
