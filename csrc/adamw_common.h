@@ -79,7 +79,8 @@ HD uint32_t lowbias32(uint32_t x) {
   x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16; return x;
 }
 HD uint32_t rounding_key(uint32_t seed, uint32_t step) { return lowbias32(lowbias32(seed) ^ step); }  // once a step
-HD uint32_t rounding_hash(uint32_t key, int64_t index) {  // two mixes an element: [Note: stochastic rounding, reproducibly]
+// two mixes an element, with the step's key: [Note: stochastic rounding, reproducibly] (kernels.py)
+HD uint32_t rounding_hash(uint32_t key, int64_t index) {
   return lowbias32(lowbias32((uint32_t)index ^ key) ^ (uint32_t)((uint64_t)index >> 32));
 }
 

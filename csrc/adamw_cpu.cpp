@@ -135,7 +135,8 @@ static __m512i estimate(__m512 xn, const CodeMap& map) {  // [Note: a code from 
   const __m512 sw = _mm512_permutex2var_ps(map.switch_lo, binade, map.switch_hi);  // the low 5 bits index
   __m512i decade = _mm512_and_si512(_mm512_castps_si512(sw), _mm512_set1_epi32(7));
   decade = _mm512_mask_sub_epi32(decade, _mm512_cmp_ps_mask(y, sw, _CMP_GT_OQ), decade, _mm512_set1_epi32(1));
-  if (is_signed) decade = _mm512_mask_add_epi32(decade, _mm512_movepi32_mask(_mm512_castps_si512(xn)), decade, _mm512_set1_epi32(8));
+  if (is_signed)  // negatives: the mirrored decades, 8 on
+    decade = _mm512_mask_add_epi32(decade, _mm512_movepi32_mask(_mm512_castps_si512(xn)), decade, _mm512_set1_epi32(8));
   __m512 u = _mm512_fmadd_ps(y, _mm512_permutexvar_ps(decade, map.slope), _mm512_permutexvar_ps(decade, map.offset));
   return _mm512_cvtps_epu32(_mm512_max_ps(_mm512_setzero_ps(), u));  // max keeps a NaN u (its second operand)
 }
