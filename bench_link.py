@@ -91,5 +91,4 @@ def bench_link(args):
             print(f"{kind}: bandwidth {bw / 1e9:.3f} GB/s, latency {lat * 1e6:.1f} µs per ring step")
         print(f"--link {one.bandwidth / 1e9:.4g},{one.latency * 1e6:.4g}")
         print(f"--link {spec}")
-    dist.barrier()
-    dist.destroy_process_group()
+    comm.end_process_group(torch.device('cpu'))  # [Note: the end of a run]

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import comm
 import memory
 import train
 import zero
@@ -272,8 +273,7 @@ def bench_zero(args):
     dist.all_gather_into_tensor(every, mine)
     if rank == 0:
         report(args, cfg, engines, first, sent, times, exposed, alone, pops, every.cpu().view(world_size, -1, 3))
-    dist.barrier()  # every rank done, no async work left, before the process group goes
-    dist.destroy_process_group()
+    comm.end_process_group(device, mine, every)  # [Note: the end of a run]
 
 
 NOTES = """\

@@ -1,5 +1,6 @@
 """
-comm: the collectives ZeRO needs, counted, on one process group; and a simulated link for rank 0 of a big job.
+comm: the collectives ZeRO needs, counted, on one process group; a run's clean end (end_process_group);
+and a simulated link for rank 0 of a big job.
 
 `Comm` is what zero.py and fsdp_lite.py call: all-gather, reduce-scatter, all-reduce, each counted in elements
 and bytes. Under torch's fake process group (bench.py scale: rank 0 of 64 ranks alone on one machine) every
@@ -123,6 +124,37 @@ class Comm:
             if theirs != values:
                 raise RuntimeError(f"rank {r} has a different {what} than rank {self.rank} ({theirs} vs {values}): "
                                    "every rank must build the same model with the same config")
+
+# -----------------------------------------------------------------------------
+# The end of a run
+
+# [Note: the end of a run] A gloo collective runs on one of gloo's worker threads. The caller sees it complete
+# and moves on; a moment later the worker lets go of the collective's tensors, and because a tensor made in
+# Python has a Python object, dropping the last C++ reference besides that object's takes the GIL. If Python
+# is shutting down by then, the worker cannot take it and the process aborts ("terminate called without an
+# active exception") after a run that succeeded. A final dist.barrier() makes that likely, not rare: it keeps
+# the collectives still on a worker when it was called, their tensors included, until the barrier itself is let
+# go, on a worker, after the caller has returned. A core dump of bench.py zero, which ended so 4 times in about
+# 105 runs on 2 CPU cores (torch 2.13), shows the worker in ~AsyncBarrierWork -> ~AsyncAllgatherWork ->
+# TensorImpl::decref_pyobject -> take_gil -> pthread_exit, while Python collects garbage on its way out.
+# So a run ends with an all-reduce of a tensor it keeps (a barrier that keeps nothing alive) and waits, the GIL
+# released, until gloo holds none of that tensor nor of `held`, the tensors of the caller's last collectives:
+# until each one's C++ use count is back to the 1 of its own Python object. Earlier collectives' tensors are let
+# go while the rank waits in that all-reduce and sleeps (their workers get the GIL then). NCCL runs its work on
+# the GPU's streams and is left to destroy_process_group.
+
+
+def end_process_group(device, *held, timeout=10.0):
+    """Every rank done, then the default process group goes, no gloo worker left holding a tensor of ours."""
+    done = torch.ones(1, device=device)
+    dist.all_reduce(done)  # every rank is here
+    deadline = time.monotonic() + timeout
+    while dist.get_backend() == 'gloo' and any(t._use_count() > 1 for t in (done, *held)):
+        if time.monotonic() > deadline:  # e.g. `held` still viewed by the caller: say so, go
+            warnings.warn(f"gloo still holds a tensor {timeout:g} s after the last collective; ending anyway")
+            break
+        time.sleep(1e-3)  # the GIL released: the worker takes it to let go
+    dist.destroy_process_group()
 
 # -----------------------------------------------------------------------------
 # The simulated link ([Note: simulated link])

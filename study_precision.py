@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import comm
 import memory
 import train
 
@@ -131,7 +132,7 @@ def main():
         f.write(text + f"\n$ python study_precision.py{' --quick' if args.quick else ''}\n")
     plot(results, os.path.join(args.out, 'precision.png'))
     print(text)
-    dist.destroy_process_group()
+    comm.end_process_group(torch.device('cpu'))  # [Note: the end of a run]
 
 
 if __name__ == '__main__':

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import checkpoint
+import comm
 import sample
 import train
 import zero
@@ -144,8 +145,7 @@ def _rank_main(rank, init_file, root, jobs):
                 results[job].append(e)
         dist.barrier()  # jobs start together, so a rank waits for one job at most
     torch.save(results, os.path.join(root, f'results{rank}.pt'))
-    dist.barrier()
-    dist.destroy_process_group()
+    comm.end_process_group(torch.device('cpu'))  # [Note: the end of a run]
 
 
 def resume_runs(world, stage, resume_world=None, resume_stage=None, accum=4, cfg=None):

@@ -1,13 +1,16 @@
 """
 The simulated link (comm.py, [Note: simulated link]): its arithmetic, its queue, and the overlap it lets a
-step show. In-process, on torch's fake process group (rank 0 of world_size ranks, alone).
+step show. In-process, on torch's fake process group (rank 0 of world_size ranks, alone). And the end of a run
+(comm.end_process_group, [Note: the end of a run]), on a 1-rank gloo process group.
 
     python -m pytest -q test_comm.py
 """
 import math
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from contextlib import nullcontext
 
 import pytest
@@ -212,3 +215,40 @@ def test_bench_scale_with_a_link_prints_exposed_communication_per_kind():
     assert list(link_rows) == ['zero2', 'zero3'], out.stdout
     for kind, row in link_rows.items():
         assert float(row[2]) > 0 and float(row[3]) > 0, row  # step ms with the link, compute alone
+
+# -----------------------------------------------------------------------------
+# the end of a run ([Note: the end of a run])
+
+
+@pytest.fixture
+def gloo_world():
+    """A 1-rank gloo process group; destroyed after the test if the test did not end it."""
+    dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_run_ends_only_once_nothing_else_holds_its_last_collectives_tensors(gloo_world):
+    # a view dropped 0.3 s later, by another thread, stands in for gloo's worker: it lets go of a collective's
+    # tensors after the caller has seen the collective complete. The run waits for it, with the GIL released
+    # (the other thread needs it), and ends with the process group gone and no warning
+    t = torch.zeros(4)
+    dist.all_reduce(t)
+    held = [t.view(-1)]
+    threading.Timer(0.3, held.clear).start()
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        comm.end_process_group(torch.device('cpu'), t)
+    assert t._use_count() == 1 and time.perf_counter() - t0 >= 0.3
+    assert not dist.is_initialized()
+
+
+def test_a_tensor_never_let_go_ends_the_run_after_the_timeout_with_a_warning(gloo_world):
+    t = torch.zeros(4)
+    held = t.view(-1)  # kept all along: the wait is bounded, and says why it gave up
+    t0 = time.perf_counter()
+    with pytest.warns(UserWarning, match='gloo still holds a tensor 0.2 s after the last collective'):
+        comm.end_process_group(torch.device('cpu'), t, timeout=0.2)
+    assert 0.2 <= time.perf_counter() - t0 < 5 and not dist.is_initialized() and t._use_count() == 2  # (the view)

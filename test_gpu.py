@@ -291,6 +291,27 @@ def test_meta_built_stage3_on_cuda_with_checkpointing_trains():
     finally:
         dist.destroy_process_group()
 
+
+@cuda_only
+def test_a_nccl_run_ends_through_end_process_group():
+    """comm.end_process_group on NCCL ([Note: the end of a run]): its all-reduce's tensor on the run's GPU (NCCL
+    takes no CPU tensor), no wait on gloo's threads, no warning, the process group gone. Every train.py run here
+    ends through it too."""
+    import datetime
+    import os
+    import warnings
+    import torch.distributed as dist
+    import comm
+    os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
+    os.environ.setdefault('MASTER_PORT', '29732')
+    dist.init_process_group('nccl', rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    t = torch.ones(4, device='cuda')
+    dist.all_reduce(t)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        comm.end_process_group(torch.device('cuda'), t)
+    assert not dist.is_initialized()
+
 # -----------------------------------------------------------------------------
 # --- issue 20: a simulated link on the communication stream (comm.py, [Note: simulated link])
 

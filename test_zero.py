@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import checkpoint
+import comm
 import fsdp_lite
 import memory
 import train
@@ -62,8 +63,7 @@ def _rank_main(rank, world_size, init_file, out_dir, jobs):
         except Exception as e:  # report, and keep the ranks in step for the next job
             results.append(e)
     torch.save(results, os.path.join(out_dir, f'rank{rank}.pt'))
-    dist.barrier()
-    dist.destroy_process_group()
+    comm.end_process_group(torch.device('cpu'))  # [Note: the end of a run]
 
 
 def run_ranks(world_size, jobs):

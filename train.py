@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import comm
 import fsdp_lite
 import kernels
 import memory
@@ -406,8 +407,7 @@ def main(cfg):
             log(f"cuda max_memory_allocated after iteration {iter_num}: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
     if profiler:  # a run of fewer than 4 iterations
         profiler.stop()
-    dist.barrier()  # every rank done (and no async work left) before the process group goes
-    dist.destroy_process_group()
+    comm.end_process_group(device)  # every rank done; [Note: the end of a run]
 
 
 def announce_kernel_build(impl, device, log):
