@@ -397,7 +397,7 @@ def test_the_cpu_tests_stay_on_cpu_and_gloo_when_a_gpu_is_present(tmp_path):
     # on the CPU, and every train.py command the tests build still says cpu and gloo
     code = AS_ON_A_GPU_MACHINE + f"""
 import torch.distributed as dist
-import test_checkpoint, test_train, test_zero, train
+import comm, test_checkpoint, test_train, test_zero, train
 assert train.DEFAULTS['device'] == 'cuda' and train.DEFAULTS['dtype'] == 'bfloat16'  # the GPU machine's defaults
 dist.init_process_group('gloo', init_method='file://{tmp_path}/init', rank=0, world_size=1)
 model = test_zero.tiny_model(0)  # built, not stepped: torch.optim itself would ask the (absent) GPU for its stream
@@ -407,7 +407,7 @@ for cmd in (test_train.torchrun_cmd(2), test_checkpoint.torchrun_cmd(2)):
     cfg = train.parse_config(cmd[cmd.index('train.py') + 1:])
     backend = cfg['backend'] or ('nccl' if cfg['device'] == 'cuda' else 'gloo')  # train.setup_distributed's rule
     assert (cfg['device'], backend) == ('cpu', 'gloo'), (cmd, cfg['device'], backend)
-dist.destroy_process_group()
+comm.end_process_group(torch.device('cpu'))
 print('stayed on cpu')
 """
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300,
