@@ -147,7 +147,8 @@ class Comm:
 def end_process_group(device, *held, timeout=10.0):
     """Every rank done, then the default process group goes, no gloo worker left holding a tensor of ours."""
     done = torch.ones(1, device=device)
-    dist.all_reduce(done)  # every rank is here
+    dist.all_reduce(done)
+    done.item()  # every rank is here (NCCL returns once the all-reduce is queued: this waits for its end)
     deadline = time.monotonic() + timeout
     while dist.get_backend() == 'gloo' and any(t._use_count() > 1 for t in (done, *held)):
         if time.monotonic() > deadline:  # e.g. `held` still viewed by the caller: say so, go
