@@ -35,6 +35,15 @@ def fake_world():
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def gloo_world():
+    """A 1-rank gloo process group; destroyed after the test if the test did not end it."""
+    dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def build(stage, model_kw=None, **zero_kw):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{**MODEL, **(model_kw or {})}))
@@ -138,13 +147,9 @@ def test_a_compute_free_step_takes_the_alpha_beta_time_exactly(fake_world, stage
     assert sum(engine.comm.link.busy.values()) == pytest.approx(expected, rel=1e-9)
 
 
-def test_the_link_needs_the_fake_process_group():
-    dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())
-    try:
-        with pytest.raises(ValueError, match='fake process group'):
-            comm.Comm().use_link(comm.parse_link('ib400'))
-    finally:
-        dist.destroy_process_group()
+def test_the_link_needs_the_fake_process_group(gloo_world):
+    with pytest.raises(ValueError, match='fake process group'):
+        comm.Comm().use_link(comm.parse_link('ib400'))
 
 # -----------------------------------------------------------------------------
 # overlap: compute on a clock of CPU time (one thread), so a busy machine's preemptions do not stretch it
@@ -218,15 +223,6 @@ def test_bench_scale_with_a_link_prints_exposed_communication_per_kind():
 
 # -----------------------------------------------------------------------------
 # the end of a run ([Note: the end of a run])
-
-
-@pytest.fixture
-def gloo_world():
-    """A 1-rank gloo process group; destroyed after the test if the test did not end it."""
-    dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_a_run_ends_only_once_nothing_else_holds_its_last_collectives_tensors(gloo_world):
