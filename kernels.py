@@ -236,10 +236,10 @@ def dynamic_map(signed):
             continue
         fraction_bits = magnitude_bits - 1 - zeros
         fraction = magnitude & ((1 << fraction_bits) - 1)
-        bins = torch.linspace(0.1, 1, 2 ** fraction_bits + 1)  # in fp32 as in the public definitions, so the maps match
+        bins = torch.linspace(0.1, 1, 2 ** fraction_bits + 1, device='cpu')  # fp32, as the public definitions
         value = ((bins[fraction] + bins[fraction + 1]) / 2 * 10.0 ** -zeros).item()
         values.append(-value if signed and code >> 7 else value)
-    return torch.tensor(sorted(values))
+    return torch.tensor(sorted(values), device='cpu')
 
 
 SIGNED_MAP, UNSIGNED_MAP = dynamic_map(signed=True), dynamic_map(signed=False)  # (256,) fp32 each
@@ -252,7 +252,7 @@ def _midpoints(q):
 def _buckets(midpoints):
     """(2^16,) int32: for each bucket of the fp32 values that share their top 16 bits, the midpoints below it, and the
     threshold on the low 16 bits past which a value is above the one midpoint inside it. [Note: a code in one load]"""
-    top = torch.arange(1 << 16)
+    top = torch.arange(1 << 16, device='cpu')  # built once on the CPU, whatever the default device, then moved
     negative = top >= 0x8000  # there the smallest value has the largest low half
     lowest = _from_unsigned(torch.where(negative, top << 16 | 0xFFFF, top << 16), torch.float32)
     highest = _from_unsigned(torch.where(negative, top << 16, top << 16 | 0xFFFF), torch.float32)

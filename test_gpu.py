@@ -480,6 +480,27 @@ def test_cuda_8bit_path_in_unaligned_views_equals_the_cpu_kernel():
 
 
 @cuda_only
+def test_the_8bit_tables_follow_the_kernels_device_not_the_default_device():
+    # test_kernels.py checks this under 'meta' on the CPU; here under a CUDA default device, as a user's
+    # torch.set_default_device('cuda') sets it: the CPU kernel's first 8-bit step equals a plain one, its tables on
+    # the CPU, and the CUDA kernel's tables are the same numbers on the GPU.
+    ref, shard = test_kernels.Shard(512, "remainder", "uint8"), test_kernels.Shard(512, "remainder", "uint8")
+    grad = test_kernels.spiky_grad(512, torch.Generator().manual_seed(7))
+    ref.step("cpu", grad, weight_decay=0.1, decay_numel=300, step=2)
+    kernels._code_tables.cache_clear()
+    try:
+        with torch.device('cuda'):
+            shard.step("cpu", grad, weight_decay=0.1, decay_numel=300, step=2)
+            on_cpu, on_gpu = kernels._code_tables(torch.device('cpu')), kernels._code_tables(torch.device('cuda'))
+    finally:
+        kernels._code_tables.cache_clear()
+    assert [t.device.type for t in on_cpu + on_gpu] == ['cpu', 'cpu', 'cuda', 'cuda']
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(on_cpu, on_gpu))
+    for a, b in zip(ref.tensors(), shard.tensors()):
+        assert test_kernels.same_bits(a, b)
+
+
+@cuda_only
 def test_bench_modes_prints_a_finite_fraction_of_copy_bandwidth_for_every_mode():
     rows = test_kernels.bench_modes_rows("cuda", "1M", "1,048,576", timeout=600)
     of_copy = [float(row.split()[-1]) for row in rows]

@@ -386,6 +386,27 @@ def test_a_nan_moment_is_left_out_of_its_blocks_absmax_and_codes_as_255(impl):
         assert same_bits(ours, theirs)  # (the NaN element's weights are a NaN, whose remainder bits may differ)
 
 
+@pytest.mark.parametrize("impl", ALL_IMPLS)
+def test_the_first_8bit_step_under_another_default_device_builds_its_tables_where_they_belong(impl):
+    # The code tables are built at the first 8-bit step (kernels._code_tables). A default device set around that step
+    # (with torch.device(...), torch.set_default_device) must not be where they are built: under 'meta' the step equals
+    # a plain one bit for bit (it raised, from .item() on a meta tensor, while the maps followed the default device).
+    ref, shard = Shard(512, "fp32+bf16param", "uint8"), Shard(512, "fp32+bf16param", "uint8").to(device_of(impl))
+    grad = torch.randn(512, generator=torch.Generator().manual_seed(1))
+    ref.step("reference", grad, weight_decay=0.1, decay_numel=300, step=2)
+    kernels._code_tables.cache_clear()
+    try:
+        with torch.device('meta'):
+            shard.step(impl, grad.to(device_of(impl)), weight_decay=0.1, decay_numel=300, step=2)
+            maps = kernels.dynamic_map(signed=True)
+    finally:
+        kernels._code_tables.cache_clear()
+    assert maps.device.type == 'cpu' and same_bits(maps, kernels.SIGNED_MAP)
+    for ours, theirs in zip((shard.exp_avg, shard.exp_avg_sq, *shard.absmax, shard.param),
+                            (ref.exp_avg, ref.exp_avg_sq, *ref.absmax, ref.param)):
+        assert same_bits(ours.cpu(), theirs)
+
+
 def test_bucket_entries_give_the_number_of_midpoints_below_for_values_near_every_midpoint():
     # The kernels' lookup ([Note: a code in one load]) written in torch: the bucket of the top 16 bits, + 1 if the low
     # 16 bits (flipped for negatives) reach the bucket's threshold. Against searchsorted, both maps, at every midpoint
