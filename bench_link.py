@@ -33,7 +33,7 @@ KEYS = {kind: key for key, kind in comm.KIND_KEYS.items()}  # all_gather -> ag, 
 
 def time_collective(kind, numel, world_size, repeats):
     """Median seconds of one collective over a numel-element fp32 buffer, the slowest rank's."""
-    full, shard = torch.zeros(numel), torch.zeros(numel // world_size)
+    full, shard = torch.zeros(numel, device='cpu'), torch.zeros(numel // world_size, device='cpu')  # gloo
     times = []
     for _ in range(repeats + 2):  # the first two are a warm-up
         dist.barrier()
@@ -45,7 +45,7 @@ def time_collective(kind, numel, world_size, repeats):
         else:
             dist.all_reduce(full)
         times.append(time.perf_counter() - t0)
-    slowest = torch.tensor(times[2:])
+    slowest = torch.tensor(times[2:], device='cpu')
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.median().item()
 
@@ -55,8 +55,9 @@ def fit(points, world_size, kind='all_gather'):
     for an all-reduce, else 1), in relative error (each row divided by its t, so 4 KB counts as much as 64 MB)
     -> (bandwidth B/s, latency s)."""
     steps = 2 if kind == 'all_reduce' else 1
-    x = torch.tensor([steps * (world_size - 1) / world_size * nbytes for nbytes, _ in points], dtype=torch.float64)
-    t = torch.tensor([seconds for _, seconds in points], dtype=torch.float64)
+    x = torch.tensor([steps * (world_size - 1) / world_size * nbytes for nbytes, _ in points], dtype=torch.float64,
+                     device='cpu')
+    t = torch.tensor([seconds for _, seconds in points], dtype=torch.float64, device='cpu')
     design = torch.stack([torch.full_like(x, steps * (world_size - 1.0)), x], dim=1) / t.unsqueeze(1)
     latency, inverse_bandwidth = torch.linalg.lstsq(design, torch.ones_like(t).unsqueeze(1)).solution.squeeze(1).tolist()
     if inverse_bandwidth <= 0:

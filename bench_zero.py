@@ -239,7 +239,7 @@ def bench_zero(args):
         sent[kind] = dict(engine.comm.bytes) if hasattr(engine, 'comm') else {}
 
     steps = args.rounds * args.steps
-    times, exposed, alone = (torch.zeros(len(kinds), n) for n in (steps, steps, args.rounds))  # seconds
+    times, exposed, alone = (torch.zeros(len(kinds), n, device='cpu') for n in (steps, steps, args.rounds))  # seconds
     for r in range(args.rounds):
         iterations = draw(args.steps)
         for k in [(r + i) % len(kinds) for i in range(len(kinds))]:  # rotate the order each round
@@ -290,7 +290,7 @@ NOTES = """\
 def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):
     kinds, (world_size, K) = list(engines), (every.shape[0], len(engines))
     psi = engines[kinds[0]].psi
-    p25, median, p75 = times.quantile(torch.tensor([0.25, 0.5, 0.75]), dim=1)  # (K,) seconds each
+    p25, median, p75 = times.quantile(torch.tensor([0.25, 0.5, 0.75], device='cpu'), dim=1)  # (K,) seconds each
 
     def ratio(kind, ref):
         return f"{median[kinds.index(kind)] / median[kinds.index(ref)]:.2f}x"

@@ -11,6 +11,7 @@ Tolerances: two correct fp32 implementations agree to ~1e-7 relative here (only 
 additions differs); every tolerance below is ~100x that, and the deliberate bugs listed in the README's
 "How we know the tests bite" change these numbers by 1e-3 or more.
 """
+import ast
 import contextlib
 import datetime
 import functools
@@ -151,7 +152,7 @@ def full_params(engine, model):
 
 def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume_at=None, model_kw=None,
             frozen_and_unused=False, mismatch=False, meta=False, compile=False, trace=False, inf_at=None, init_value=None,
-            growth_interval=None, checkpointing=False, **zero_kw):
+            growth_interval=None, checkpointing=False, default_device=None, **zero_kw):
     """Train TINY for `steps` steps; accum is the global number of micro-batches per step. Returns
     dict(losses, norms, params, engine info) as seen by this rank. resume_at: save a checkpoint there and
     continue from it in a new model and engine (meta=True: built on the meta device, as train.py does).
@@ -160,12 +161,15 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
     checkpointing: activation checkpointing of every block; inf_at: at that step rank world_size - 1 gets an inf grad,
     and every rank checks the step was skipped; init_value: every param starts at it (stages 1/2 return the distinct
     values of the compute params then); growth_interval: fp16's loss scale doubles after this many clean steps (2000
-    in train.py)."""
+    in train.py); default_device: the engine is built and every step taken under `with torch.device(default_device)`
+    (the model, the batches and the checks are made outside it)."""
     model = tiny_model(rank, model_kw, frozen_and_unused, mismatch, meta)
+    around = (lambda: torch.device(default_device)) if default_device else nullcontext
     if init_value is not None:
         for p in model.parameters():
             torch.nn.init.constant_(p, init_value)
-    engine = make_engine(kind, model, grad_clip, **zero_kw)
+    with around():
+        engine = make_engine(kind, model, grad_clip, **zero_kw)
     check_on_cpu(kind, model)
     if growth_interval:
         engine.scaler.growth_interval = growth_interval
@@ -199,7 +203,7 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
         mine = x[rank * local:(rank + 1) * local]  # this rank's micro-batches
         if events is not None:
             events.clear()
-        with inject_inf(engine, model, rank == world_size - 1) if step == inf_at else nullcontext():
+        with inject_inf(engine, model, rank == world_size - 1) if step == inf_at else nullcontext(), around():
             loss, norm = train.train_step(engine, [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in mine], LR, nullcontext())
         if step == 0 and compile:
             graphs = torch._dynamo.utils.counters['stats']['unique_graphs']
@@ -286,6 +290,8 @@ def oracle_runs(world_size):
     jobs = [dict(kind=kind, accum=a) for a in accums for kind in ('ddp', 'zero1', 'zero2', 'zero3', 'fsdp2')]
     jobs += [dict(kind='zero3', accum=accums[1], prefetch=d, reshard_after_forward=r) for d in (0, 2) for r in (True, False)]
     jobs += [dict(kind=k, accum=accums[1], bucket_mb=0.001) for k in ('zero1', 'zero2')]  # one param per bucket
+    if world_size == 2:  # built and stepped under another default device: a tensor made without its device lands there
+        jobs += [dict(kind=k, accum=accums[1], default_device='meta') for k in ('ddp', 'zero1', 'zero2', 'zero3')]
     try:
         results = run_ranks(world_size, jobs)
     except Exception as e:
@@ -539,6 +545,29 @@ def test_each_rank_draws_only_its_shard_and_rank_0_of_8_and_of_64_hold_the_same_
                 assert torch.equal(engine.master_values(b), b.shard(flat)), (world_size, rank, b.index)
         finally:
             dist.destroy_process_group()
+
+
+def test_every_stage_builds_and_steps_bit_for_bit_the_same_under_a_meta_default_device():
+    # On a GPU, a tensor the engine makes without naming its device lands on the CPU beside CUDA tensors (how the DDP
+    # baseline crashed there). On the CPU the same leak shows under a 'meta' default device: the engine's build and
+    # every step (accumulation, clipping, the kernel) run under one, and nothing may change, not even a bit.
+    for kind in ('ddp', 'zero1', 'zero2', 'zero3'):
+        assert_same_run(get(2, kind=kind, accum=4, default_device='meta'), get(2, kind=kind, accum=4), rtol=0, atol=0)
+
+
+def test_no_tensor_is_made_without_naming_its_device_outside_a_modules_init():
+    # The test above cannot see into autograd hooks (stage 2/3's reduce-scatters, stage 3's re-gathers): the
+    # engine runs them without the default-device mode. So every factory call in the code that runs on a GPU names
+    # its device; model.py's params are the exception by design (built under meta or the target device).
+    factories = {'zeros', 'ones', 'empty', 'full', 'tensor', 'arange', 'randn', 'rand', 'randint', 'linspace',
+                 'empty_strided', 'as_tensor', 'randperm', 'eye'}
+    root = os.path.dirname(os.path.abspath(__file__))
+    files = [f for f in os.listdir(root) if f.endswith('.py') and not f.startswith('test_') and f != 'model.py']
+    unnamed = [f'{f}:{node.lineno} {ast.unparse(node)[:60]}' for f in files
+               for node in ast.walk(ast.parse(open(os.path.join(root, f)).read()))
+               if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in factories
+               and ast.unparse(node.func.value) == 'torch' and not any(k.arg == 'device' for k in node.keywords)]
+    assert len(files) > 10 and not unnamed, unnamed
 
 
 def test_init_param_fills_any_slice_on_the_tensors_device_whatever_the_default_device():
