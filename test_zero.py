@@ -548,16 +548,16 @@ def test_each_rank_draws_only_its_shard_and_rank_0_of_8_and_of_64_hold_the_same_
 
 
 def test_every_stage_builds_and_steps_bit_for_bit_the_same_under_a_meta_default_device():
-    # On a GPU, a tensor the engine makes without naming its device lands on the CPU beside CUDA tensors (how the DDP
-    # baseline crashed there). On the CPU the same leak shows under a 'meta' default device: the engine's build and
-    # every step (accumulation, clipping, the kernel) run under one, and nothing may change, not even a bit.
+    # On a GPU, a tensor the engine makes without naming its device lands on the CPU beside CUDA tensors. On the CPU
+    # the same leak shows under a 'meta' default device: the engine's build and every step (accumulation, clipping,
+    # the kernel) run under one, and nothing may change, not even a bit.
     for kind in ('ddp', 'zero1', 'zero2', 'zero3'):
         assert_same_run(get(2, kind=kind, accum=4, default_device='meta'), get(2, kind=kind, accum=4), rtol=0, atol=0)
 
 
 def test_no_tensor_is_made_without_naming_its_device_outside_a_modules_init():
-    # The test above cannot see into autograd hooks (stage 2/3's reduce-scatters, stage 3's re-gathers): the
-    # engine runs them without the default-device mode. So every factory call in the code that runs on a GPU names
+    # The test above cannot see into autograd hooks (stage 2/3's reduce-scatters, stage 3's re-gathers): torch
+    # runs them without the default-device mode. So every factory call in the code that runs on a GPU names
     # its device; model.py's params are the exception by design (built under meta or the target device).
     factories = {'zeros', 'ones', 'empty', 'full', 'tensor', 'arange', 'randn', 'rand', 'randint', 'linspace',
                  'empty_strided', 'as_tensor', 'randperm', 'eye'}
