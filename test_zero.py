@@ -291,7 +291,7 @@ def oracle_runs(world_size):
     jobs += [dict(kind='zero3', accum=accums[1], prefetch=d, reshard_after_forward=r) for d in (0, 2) for r in (True, False)]
     jobs += [dict(kind=k, accum=accums[1], bucket_mb=0.001) for k in ('zero1', 'zero2')]  # one param per bucket
     if world_size == 2:  # built and stepped under another default device: a tensor made without its device lands there
-        jobs += [dict(kind=k, accum=accums[1], default_device='meta') for k in ('ddp', 'zero1', 'zero2', 'zero3')]
+        jobs += [dict(kind=k, accum=accums[1], default_device='meta') for k in ('zero1', 'zero2', 'zero3')]
     try:
         results = run_ranks(world_size, jobs)
     except Exception as e:
@@ -547,11 +547,13 @@ def test_each_rank_draws_only_its_shard_and_rank_0_of_8_and_of_64_hold_the_same_
             dist.destroy_process_group()
 
 
-def test_every_stage_builds_and_steps_bit_for_bit_the_same_under_a_meta_default_device():
+def test_stages_1_to_3_build_and_step_bit_for_bit_the_same_under_a_meta_default_device():
     # On a GPU, a tensor the engine makes without naming its device lands on the CPU beside CUDA tensors. On the CPU
     # the same leak shows under a 'meta' default device: the engine's build and every step (accumulation, clipping,
-    # the kernel) run under one, and nothing may change, not even a bit.
-    for kind in ('ddp', 'zero1', 'zero2', 'zero3'):
+    # the kernel) run under one, and nothing may change, not even a bit. Not stage 0: its optimizer is torch's AdamW,
+    # which (torch 2.11, not fused, as on a CPU) keeps its step count on the default device by design; on CUDA it is
+    # fused and keeps it on the param's device.
+    for kind in ('zero1', 'zero2', 'zero3'):
         assert_same_run(get(2, kind=kind, accum=4, default_device='meta'), get(2, kind=kind, accum=4), rtol=0, atol=0)
 
 
