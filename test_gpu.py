@@ -14,6 +14,7 @@ the loss finite and falling, the log lines, the files written. NANOZERO_GPU_TEST
 harness on the CPU (gloo, fp32, small models: the assertions that need CUDA are left out) to check the
 harness itself on a machine without a GPU; that is not a GPU test.
 """
+import datetime
 import functools
 import json
 import math
@@ -26,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from model import GPT, GPTConfig
 
@@ -242,6 +244,15 @@ def test_bench_scale_counts_what_the_estimator_says():
 # --- issue 19: every rank initializes only its own shard, activation checkpointing
 
 
+@pytest.fixture
+def nccl_world():
+    """NCCL at world 1 in this process, on an in-process store (no port to pick); gone after the test."""
+    dist.init_process_group('nccl', rank=0, world_size=1, store=dist.HashStore(), timeout=datetime.timedelta(seconds=60))
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @cuda_only
 def test_counter_based_init_is_the_same_on_cpu_and_cuda():
     """model.py [Note: counter-based init]: the hash is exact integer arithmetic on both devices; Box-Muller runs in
@@ -262,49 +273,34 @@ def test_counter_based_init_is_the_same_on_cpu_and_cuda():
 
 
 @cuda_only
-def test_meta_built_stage3_on_cuda_with_checkpointing_trains():
+def test_meta_built_stage3_on_cuda_with_checkpointing_trains(nccl_world):
     """A stage-3 engine built on the meta device and materialized on CUDA (shards drawn there) trains a step with
     activation checkpointing: the recomputed blocks are gathered on the GPU."""
-    import datetime
-    import os
-    import torch.distributed as dist
     import fsdp_lite
     import zero
-    os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
-    os.environ.setdefault('MASTER_PORT', '29731')
-    dist.init_process_group('nccl', rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-    try:
-        with torch.device('meta'):
-            model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=128))
-        cfg = zero.ZeroConfig(stage=3, param_dtype=torch.float32)
-        engine = zero.build_engine(model, cfg, units=list(model.transformer.h), device=torch.device('cuda'))
-        fsdp_lite.checkpoint_activations(model.transformer.h)
-        plain = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=128))
-        for name, p in plain.named_parameters():  # world size 1: the unit's shard is the whole param
-            b = engine.bucket_of[model.get_parameter(name)]
-            torch.testing.assert_close(engine.master_values(b)[b.offset_of[model.get_parameter(name)]:][:p.numel()].cpu(),
-                                       p.detach().reshape(-1), rtol=0, atol=0)
-        x = torch.randint(128, (2, 32), device='cuda')
-        _, loss = engine.module(x, x)
-        engine.backward(loss)
-        assert torch.isfinite(torch.tensor(engine.step(1e-3)))
-    finally:
-        dist.destroy_process_group()
+    with torch.device('meta'):
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=128))
+    cfg = zero.ZeroConfig(stage=3, param_dtype=torch.float32)
+    engine = zero.build_engine(model, cfg, units=list(model.transformer.h), device=torch.device('cuda'))
+    fsdp_lite.checkpoint_activations(model.transformer.h)
+    plain = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=128))
+    for name, p in plain.named_parameters():  # world size 1: the unit's shard is the whole param
+        b = engine.bucket_of[model.get_parameter(name)]
+        torch.testing.assert_close(engine.master_values(b)[b.offset_of[model.get_parameter(name)]:][:p.numel()].cpu(),
+                                   p.detach().reshape(-1), rtol=0, atol=0)
+    x = torch.randint(128, (2, 32), device='cuda')
+    _, loss = engine.module(x, x)
+    engine.backward(loss)
+    assert torch.isfinite(torch.tensor(engine.step(1e-3)))
 
 
 @cuda_only
-def test_a_nccl_run_ends_through_end_process_group():
+def test_a_nccl_run_ends_through_end_process_group(nccl_world):
     """comm.end_process_group on NCCL ([Note: the end of a run]): its all-reduce's tensor on the run's GPU (NCCL
     takes no CPU tensor), no wait on gloo's threads, no warning, the process group gone. Every train.py run here
     ends through it too."""
-    import datetime
-    import os
     import warnings
-    import torch.distributed as dist
     import comm
-    os.environ.setdefault('MASTER_ADDR', '127.0.0.1')
-    os.environ.setdefault('MASTER_PORT', '29732')
-    dist.init_process_group('nccl', rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
     t = torch.ones(4, device='cuda')
     dist.all_reduce(t)
     with warnings.catch_warnings():
