@@ -247,7 +247,8 @@ def test_bench_scale_counts_what_the_estimator_says():
 @pytest.fixture
 def nccl_world():
     """NCCL at world 1 in this process, on an in-process store (no port to pick); gone after the test."""
-    dist.init_process_group('nccl', rank=0, world_size=1, store=dist.HashStore(), timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group('nccl', rank=0, world_size=1, store=dist.HashStore(),
+                            timeout=datetime.timedelta(seconds=60))
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
