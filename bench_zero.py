@@ -277,7 +277,8 @@ def bench_zero(args):
 
 
 NOTES = """\
-- step: the slowest rank's wall time; ratios: of the medians. Each kind's steps are spread over the whole run.
+- step: the slowest rank's wall time. Each kind's steps are spread over the whole run. Ratios: the median (p25-p75)
+  over rounds of each round's ratio; within a round the kinds run back to back, so a slow spell cancels.
 - model state: params + grads + optimizer state, counted from tensors (torch kinds: grads right after backward,
   DTensor local shards, ZeroRedundancyOptimizer's local state); DDP kinds use gradient_as_bucket_view=True.
 - peak transient: our stage 2/3 bucket grad buffers + stage 3 unsharded units, sampled at every allocation;
@@ -287,13 +288,21 @@ NOTES = """\
   on CUDA, exposed time is not the host's: wait() only orders streams)."""
 
 
+def paired_ratio(times, ref):
+    """(p25, median, p75) over rounds of times / ref, (rounds,) each: the two kinds of a pair ran back to back in every
+    round, so a slow spell of a shared machine slows both and drops out of their ratio."""
+    return (times / ref).quantile(torch.tensor([0.25, 0.5, 0.75], dtype=times.dtype, device='cpu')).tolist()
+
+
 def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):
     kinds, (world_size, K) = list(engines), (every.shape[0], len(engines))
     psi = engines[kinds[0]].psi
     p25, median, p75 = times.quantile(torch.tensor([0.25, 0.5, 0.75], device='cpu'), dim=1)  # (K,) seconds each
+    per_round = times.view(K, args.rounds, args.steps).median(dim=2).values  # (K, rounds)
 
     def ratio(kind, ref):
-        return f"{median[kinds.index(kind)] / median[kinds.index(ref)]:.2f}x"
+        low, mid, high = paired_ratio(per_round[kinds.index(kind)], per_round[kinds.index(ref)])
+        return f"{mid:.2f}x ({low:.2f}-{high:.2f})"
 
     print(f"world size {world_size} ({dist.get_backend()}), device {cfg['device']}, dtype {cfg['dtype']}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)/rank; Ψ = {psi:,} params "

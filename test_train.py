@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import train
 from test_zero import ON_CPU
@@ -118,6 +119,15 @@ def test_bench_zero_runs_every_kind_from_the_same_first_step():
     # the norms differ by ~1e-5 relative because torch's clip_grad_norm_ does: on this model (vocab 50304) it is
     # ~6e-6 off the float64 norm, where one fp32 sum over the flat shards (ours) is ~1e-7 off
     assert loss_spread <= 1e-6 * loss and norm_spread < 1e-4 * norm, out.stdout[:600]
+
+
+def test_bench_zero_ratios_are_taken_round_by_round():
+    # a kind 10% slower than its reference in 3 of 4 rounds, and a machine that slows down over the run (the times
+    # double each round): the per-round ratio says 1.1x, a ratio of the two medians (3.2 / 3.0) would say 1.07x
+    import bench_zero
+    ref = torch.tensor([1.0, 2.0, 4.0, 8.0])
+    kind = torch.tensor([1.1, 2.0, 4.4, 8.8])
+    assert bench_zero.paired_ratio(kind, ref) == pytest.approx([1.075, 1.1, 1.1])
 
 
 @pytest.mark.parametrize('args, message', [
