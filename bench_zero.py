@@ -38,6 +38,7 @@ from model import GPT, GPTConfig
 KINDS = ('ddp', 'ddp+zero_redundancy', 'zero1', 'zero2', 'zero3', 'fsdp2')
 REFERENCES = {'zero1': ('ddp+zero_redundancy',), 'zero2': ('ddp+zero_redundancy',), 'zero3': ('fsdp2', 'zero2')}
 MB = 2**20
+QUARTILES = torch.tensor([0.25, 0.5, 0.75], device='cpu')  # p25, median, p75 of fp32 timings
 
 
 def nbytes(t):
@@ -291,13 +292,13 @@ NOTES = """\
 def paired_ratio(times, ref):
     """(p25, median, p75) over rounds of times / ref, (rounds,) each: the two kinds of a pair ran back to back in every
     round, so a slow spell of a shared machine slows both and drops out of their ratio."""
-    return (times / ref).quantile(torch.tensor([0.25, 0.5, 0.75], dtype=times.dtype, device='cpu')).tolist()
+    return (times / ref).quantile(QUARTILES).tolist()
 
 
 def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):
     kinds, (world_size, K) = list(engines), (every.shape[0], len(engines))
     psi = engines[kinds[0]].psi
-    p25, median, p75 = times.quantile(torch.tensor([0.25, 0.5, 0.75], device='cpu'), dim=1)  # (K,) seconds each
+    p25, median, p75 = times.quantile(QUARTILES, dim=1)  # (K,) seconds each
     per_round = times.view(K, args.rounds, args.steps).median(dim=2).values  # (K, rounds)
 
     def ratio(kind, ref):

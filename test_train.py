@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import bench_zero
 import train
 from test_zero import ON_CPU
 
@@ -124,7 +125,6 @@ def test_bench_zero_runs_every_kind_from_the_same_first_step():
 def test_bench_zero_ratios_are_taken_round_by_round():
     # a kind 10% slower than its reference in 3 of 4 rounds, and a machine that slows down over the run (the times
     # double each round): the per-round ratio says 1.1x, a ratio of the two medians (3.2 / 3.0) would say 1.07x
-    import bench_zero
     ref = torch.tensor([1.0, 2.0, 4.0, 8.0])
     kind = torch.tensor([1.1, 2.0, 4.4, 8.8])
     assert bench_zero.paired_ratio(kind, ref) == pytest.approx([1.075, 1.1, 1.1])
