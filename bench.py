@@ -11,6 +11,7 @@ Benchmarks, one mode per idea:
     python bench.py scale --world 64                       # rank 0 of 64 ranks, alone: model states, peaks
     python bench.py scale --world 64 --link ib400          # ... and each collective takes a simulated link's time
     torchrun --standalone --nproc_per_node=2 bench.py link # gloo's latency and bandwidth here, fitted
+    python bench.py train --vary zero_stage=2,3            # train.py's own runs, side by side: tok/s, peak memory
 
 kernels: for each flat shard size n, time kernels.adamw_step (fp32 master/m/v, fp32 grad, bf16 param out)
 against the best torch offers on the same buffers: torch.optim.AdamW(fused=True) stepping the fp32 master,
@@ -26,6 +27,7 @@ of the copy bandwidth those bytes reach (goal on GPU: >= 0.85 for every mode, 8-
 zero: see bench_zero.py (step time ratios, bytes per rank, exposed communication).
 scale: see bench_scale.py (estimated vs measured model states, peak memory, at any world size on one machine).
 link: see bench_link.py (the simulated link of comm.py, calibrated on this machine's gloo).
+train: see bench_train.py (train.py jobs of each variant in turn: tokens/s, step time, MFU, peak memory, ratios).
 """
 import argparse
 import functools
@@ -35,6 +37,7 @@ import torch
 
 import bench_link
 import bench_scale
+import bench_train
 import bench_zero
 import kernels
 
@@ -192,7 +195,7 @@ def bench_modes(device, sizes, grad_dtype):
 # the dispatcher: one entry per mode, each a function taking the parsed args
 
 MODES = {"kernels": bench_kernels, "zero": bench_zero.bench_zero, "scale": bench_scale.bench_scale,
-         "link": bench_link.bench_link}
+         "link": bench_link.bench_link, "train": bench_train.bench_train}
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -206,5 +209,6 @@ if __name__ == "__main__":
                         help="kernels: where to run (zero takes its device from the config: --set device=cuda)")
     bench_zero.add_arguments(parser)
     bench_scale.add_arguments(parser)
+    bench_train.add_arguments(parser)
     args = parser.parse_args()
     MODES[args.mode](args)

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import bench_train
 import bench_zero
 import train
 from test_zero import ON_CPU
@@ -145,3 +146,37 @@ def test_a_users_mistake_is_one_clean_line_before_anything_starts(args, message,
     ours = [line for line in out.stderr.splitlines() if 'config error' in line]
     assert len(ours) == 1 and ours[0].startswith(message), out.stderr[-2000:]  # once: rank 0 only
     assert 'train.py", line' not in out.stderr and '[rank' not in out.stderr  # no traceback from our ranks
+
+
+def test_bench_train_runs_each_variant_and_reads_what_train_py_prints():
+    cmd = [sys.executable, 'bench.py', 'train', '--vary', 'zero_stage=2,3', '--iters=3', '--warm=1', '--nproc=1'] + [
+        f'--set={kv}' for kv in ('n_layer=1', 'n_head=2', 'n_embd=32', 'block_size=16', 'batch_size=2')]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [[c.strip() for c in line.strip('|').split('|')] for line in out.stdout.splitlines() if line.startswith('| zero')]
+    assert [r[0] for r in rows] == ['zero_stage=2', 'zero_stage=3'] and rows[0][3] == rows[0][6] == '1.00x', out.stdout
+    assert all(float(r[1].split()[0].replace(',', '')) > 0 and 0.1 < float(r[5]) < 20 for r in rows), out.stdout
+    assert 'world size 1 (gloo), device cpu; torchrun --nproc_per_node=1' in out.stdout
+
+
+def test_bench_train_reads_iterations_after_the_warm_ones_and_the_last_memory_line():
+    log = ("world size 8 (nccl), device cuda:0, dtype bfloat16, tokens per iteration 1\n"
+           "iter 1: loss 9.0, time 900.00ms, tok/s 1,000, lr 1e-4, norm 1.0, mfu 1.00%, sent all_gather 2.00Ψ\n"
+           "cuda max_memory_allocated after iteration 1: 3.50 GiB\n"
+           "iter 2: loss 8.0, time 100.00ms, tok/s 9,000, lr 1e-4, norm 1.0, mfu 30.00%, sent all_gather 2.00Ψ\n"
+           "iter 3: loss 7.0, time 110.00ms, tok/s 8,500, lr 1e-4, norm 1.0, sent all_gather 2.00Ψ\n"
+           "cuda max_memory_allocated after iteration 3: 4.25 GiB\n")
+    iters, device, peak = bench_train.parse_log(log, warm=1)
+    assert iters == [(9000.0, 100.0, 30.0), (8500.0, 110.0, None)] and peak == 4.25
+    assert device == 'world size 8 (nccl), device cuda:0'
+    assert bench_train.variants(['zero_stage=2,3', 'compile=False,True'])[1] == ['--zero_stage=2', '--compile=True']
+    with pytest.raises(ValueError, match='expected KEY=VALUE'):
+        bench_train.variants(['zero_stage'])
+
+
+def test_bench_train_peak_memory_is_the_largest_process_of_the_job():
+    # a child that starts a grandchild holding ~600 MB and waits for it: the job's peak is the grandchild's
+    grandchild = "import time; x = bytearray(600 * 2**20); x[::4096] = b'1' * len(x[::4096]); time.sleep(0.2)"
+    child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {grandchild!r}], check=True)"
+    code, _, gib = bench_train.run([sys.executable, '-c', child])
+    assert code == 0 and 0.55 < gib < 1.0, gib
