@@ -90,7 +90,7 @@ def bench_train(args):
     with tempfile.TemporaryDirectory() as tmp:  # checkpoints of the final eval, thrown away
         for r in range(args.runs):
             for i in [(r + k) % len(combos) for k in range(len(combos))]:  # rotate the order each round
-                log, rss = run_job(args, combos[i], nproc, os.path.join(tmp, str(i)))
+                log, rss = run_job(args, combos[i], nproc, os.path.join(tmp, f'{r}-{i}'))  # a fresh out_dir: no resume
                 iters, device, peak = parse_log(log, args.warm)
                 if not iters:
                     raise RuntimeError(f"train.py {' '.join(combos[i])}: no iteration after --warm={args.warm}:\n{log[-2000:]}")
