@@ -247,11 +247,15 @@ class GPT(nn.Module):
 # backward starts (the grads of the log-probs and of the logits). This one never holds more than one chunk of rows:
 # for each chunk, the logits in the compute dtype, the loss in fp32 (logsumexp - the target's logit) and, while the
 # chunk is at hand, the grads: d loss / d logits = (softmax - one_hot(target)) / count, which at once gives the
-# chunk's share of the grads of x and of the weight. Backward then only scales them by the incoming grad (the
-# 1/micro-steps, a loss scale). The FLOPs are those of the plain head (one matmul forward, two backward), nothing
-# is recomputed; what is saved for backward is the grad of x (B*T x C) and of the weight (vocab x C, fp32), not
-# B*T x vocab. Under no_grad (evaluation) only the loss is computed. The same head for every stage and for the
-# oracles (torch DDP, FSDP2 run this file too).
+# chunk's share of the grads of x and of the weight. They are kept as the grads of the *summed* loss (softmax -
+# one_hot, in [-1, 1]), and backward scales them by the incoming grad (the 1/micro-steps, a loss scale) / count: in
+# fp16 a probability / count (2e-5 / 2048 at init with GPT-2's vocab) is below fp16's smallest number, and would
+# flush to zero before the loss scale could lift it (a plain head's logits get their grad with the scale in it).
+# fp16 also caps a chunk at 1024 rows, so that the weight grad's sum over a chunk's rows stays far below fp16's
+# 65504. The FLOPs are those of the plain head (one matmul forward, two backward), nothing is recomputed; what is
+# saved for backward is the grad of x (B*T x C) and of the weight (vocab x C, fp32), not B*T x vocab. Under
+# no_grad (evaluation) only the loss is computed. The same head for every stage and for the oracles (torch DDP,
+# FSDP2 run this file too).
 LOSS_CHUNK = 2**24  # logits per chunk (64 MiB in fp32): GPT-2's vocab -> 320 rows a chunk
 
 
@@ -260,11 +264,13 @@ def loss_chunk_rows(vocab_size):
 
 
 def chunked_cross_entropy(x, weight, targets, rows, grads):
-    """x (N, C), weight (V, C), targets (N,) -> (mean loss over targets != -1, fp32; and with grads=True the grads
-    of that loss with respect to x (N, C, x's dtype) and weight (V, C, fp32)). The matmuls run in the autocast dtype
-    when autocast is on (as lm_head's would), else in x's."""
+    """x (N, C), weight (V, C), targets (N,) -> (mean loss over targets != -1, fp32; the count of those targets; and
+    with grads=True the grads of the summed loss with respect to x (N, C, x's dtype) and weight (V, C, fp32): divided
+    by the count, they are the mean's). The matmuls run in the autocast dtype when autocast is on (as lm_head's
+    would), else in x's."""
     autocast = torch.is_autocast_enabled(x.device.type)
     dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    rows = min(rows, 1024) if dtype == torch.float16 else rows  # [Note: chunked loss head]
     w = weight.to(dtype)
     valid = targets != -1
     count = valid.sum()
@@ -276,13 +282,13 @@ def chunked_cross_entropy(x, weight, targets, rows, grads):
         logits = (xi @ w.t()).float()  # (rows, V): the only vocab-sized tensor, one chunk at a time
         lse = torch.logsumexp(logits, dim=-1)  # (rows,)
         loss += ((lse - logits.gather(1, yi[:, None]).squeeze(1)) * vi).sum()
-        if grads:  # (softmax - one_hot(target)) / count, written over the logits
+        if grads:  # softmax - one_hot(target), written over the logits; 0 for an ignored target
             g = logits.sub_(lse[:, None]).exp_()
             g[torch.arange(g.size(0), device=g.device), yi] -= 1.0
-            g = g.mul_((vi / count)[:, None]).to(dtype)
+            g = g.mul_(vi[:, None]).to(dtype)
             grad_x[i:i + rows] = g @ w  # (rows, C)
             grad_w += g.t() @ xi  # (V, C), accumulated in fp32 over the chunks
-    return loss / count, grad_x, grad_w
+    return loss / count, count, grad_x, grad_w
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -290,15 +296,16 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, targets, rows):
-        loss, grad_x, grad_w = chunked_cross_entropy(x, weight, targets, rows, grads=True)
-        ctx.save_for_backward(grad_x, grad_w)
+        loss, count, grad_x, grad_w = chunked_cross_entropy(x, weight, targets, rows, grads=True)
+        ctx.save_for_backward(grad_x, grad_w, count)
         ctx.weight_dtype = weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_x, grad_w = ctx.saved_tensors
-        return grad_x * grad_loss, (grad_w * grad_loss).to(ctx.weight_dtype), None, None
+        grad_x, grad_w, count = ctx.saved_tensors
+        scale = grad_loss / count  # fp32: the incoming grad (1/micro-steps, a loss scale) and the mean's 1/count
+        return grad_x * scale, (grad_w * scale).to(ctx.weight_dtype), None, None
 
 
 def linear_cross_entropy(x, weight, targets, rows):
