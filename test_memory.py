@@ -212,6 +212,22 @@ def test_auto_when_nothing_fits_is_a_clear_error():
         train.choose_stage(cfg, torch.device('cpu'), 8, args)
 
 
+def _auto_with_unequal_memory(rank, init, out):
+    dist.init_process_group('gloo', init_method=f'file://{init}', rank=rank, world_size=2)
+    need = hand_estimates(world=2)
+    free = [2 * need[0], (need[1] + need[2]) / 2][rank] / 0.9  # rank 0 alone would pick stage 0, rank 1 stage 2
+    memory.device_memory_bytes = lambda device, memory_gb=0.0: free  # as mem_get_info on two GPUs of one job
+    cfg, args = auto_config(memory_gb=0.0)
+    torch.save(train.choose_stage(cfg, torch.device('cpu'), 2, args), os.path.join(out, f'rank{rank}.pt'))
+    dist.destroy_process_group()
+
+
+def test_auto_picks_one_stage_for_every_rank_from_the_least_memory(tmp_path):
+    mp.spawn(_auto_with_unequal_memory, args=(str(tmp_path / 'init'), str(tmp_path)), nprocs=2)
+    picked = [torch.load(tmp_path / f'rank{r}.pt')[0] for r in range(2)]
+    assert picked == [2, 2], picked
+
+
 def test_auto_in_a_real_run_prints_its_reasoning_and_trains_with_the_stage_it_picked(tmp_path):
     # test_train's torchrun: config/shakespeare_cpu.py, 1 layer x 32, 2 ranks; a limit that stage 1 fits, stage 0 not
     cfg = train.parse_config(['config/shakespeare_cpu.py', '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16',

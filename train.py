@@ -299,12 +299,19 @@ def zero_config(cfg):
 
 
 def choose_stage(cfg, device, world_size, args):
-    """zero_stage='auto': the lowest stage whose model states + transients + activations fit (memory.py)."""
+    """zero_stage='auto': the lowest stage whose model states + transients + activations fit (memory.py) in the memory
+    of the rank that has least. Every rank must pick the same stage, and the GPUs of one job can have different
+    memory free: a rank at stage 0 and one at stage 1 would each wait in a collective the other never joins."""
+    limit = memory.device_memory_bytes(device, cfg['memory_gb'])
+    if dist.is_initialized():
+        least = torch.tensor([limit], dtype=torch.float64, device=device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        limit = least.item()
     with torch.device('meta'):
         model = GPT(GPTConfig(**args))
     stage, line, hint = memory.lowest_stage_that_fits(
-        model, zero_config({**cfg, 'zero_stage': 1}), world_size, cfg['batch_size'] * cfg['block_size'],
-        memory.device_memory_bytes(device, cfg['memory_gb']), cfg['activation_checkpointing'])
+        model, zero_config({**cfg, 'zero_stage': 1}), world_size, cfg['batch_size'] * cfg['block_size'], limit,
+        cfg['activation_checkpointing'])
     if stage is None:
         raise ValueError(f"{line}: use {hint}more ranks, a smaller batch_size or block_size, or set memory_gb")
     return stage, line
