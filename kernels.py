@@ -273,18 +273,26 @@ def _code_tables(device):
             torch.cat([_buckets(signed), _buckets(unsigned)]).to(device))
 
 
+@functools.lru_cache(maxsize=None)
+def _maps_on(device, signed):
+    """(map, midpoints) of one code map on device, copied there once: a copy from pageable host memory makes the host
+    wait for the GPU, and the reference step would otherwise make four a bucket a step."""
+    table = SIGNED_MAP if signed else UNSIGNED_MAP
+    return table.to(device), _midpoints(table).to(device)
+
+
 def quantize(x32, signed):
     """fp32 (n,), n a multiple of 256 -> (uint8 codes (n,), fp32 absmax (n/256,)). NaNs are ignored by the absmax."""
     blocks = x32.view(-1, 256)
     absmax = torch.where(blocks.isnan(), 0.0, blocks.abs()).amax(dim=1)
     scale = torch.where(absmax > 0, absmax, 1.0)
-    midpoints = _midpoints(SIGNED_MAP if signed else UNSIGNED_MAP).to(x32.device)
+    midpoints = _maps_on(x32.device, signed)[1]
     return torch.searchsorted(midpoints, blocks / scale[:, None]).to(torch.uint8).view(-1), absmax
 
 
 def dequantize(codes, absmax, signed):
     """uint8 codes (n,) and fp32 absmax (n/256,) -> fp32 (n,)."""
-    values = (SIGNED_MAP if signed else UNSIGNED_MAP).to(codes.device)[codes.long()]
+    values = _maps_on(codes.device, signed)[0][codes.long()]
     return (values.view(-1, 256) * absmax[:, None]).view(-1)
 
 # ----------------------------------------------------------------------------
@@ -429,14 +437,17 @@ def _run(*command):
 
 
 def _cuda_arch_flags():
-    """-gencode flags for TORCH_CUDA_ARCH_LIST (e.g. "8.0;9.0+PTX"), or for this GPU: sm_90 on H100/H200."""
-    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    """-gencode flags for TORCH_CUDA_ARCH_LIST (e.g. "8.0;9.0+PTX") and for this GPU (sm_90 on H100/H200): a list set in
+    a container for other GPUs would build a library with no kernel this one can run, found only at the first step."""
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").replace(",", " ").split()
+    if torch.cuda.is_available():
+        here = "%d.%d" % torch.cuda.get_device_capability()
+        if not any(arch.removesuffix("+PTX").removesuffix("a") == here for arch in archs):  # "9.0a" runs on a 9.0 GPU
+            archs.append(here)
     if not archs:
-        if not torch.cuda.is_available():
-            raise RuntimeError("no GPU to build for: set TORCH_CUDA_ARCH_LIST, e.g. 9.0")
-        archs = "%d.%d" % torch.cuda.get_device_capability()
+        raise RuntimeError("no GPU to build for: set TORCH_CUDA_ARCH_LIST, e.g. 9.0")
     flags = []
-    for arch in archs.replace(";", " ").replace(",", " ").split():
+    for arch in archs:
         sm = arch.removesuffix("+PTX").replace(".", "")  # "9.0" -> "90", "9.0a" -> "90a"
         flags.append(f"-gencode=arch=compute_{sm},code=sm_{sm}")
         if arch.endswith("+PTX"):

@@ -788,6 +788,18 @@ def test_cuda_kernel_equals_the_cpu_kernel_bit_for_bit(impl, weights, state):
                 assert same_bits(a, b)
 
 
+@pytest.mark.parametrize("archs, gpu, built", [("8.0", (9, 0), ["80", "90"]), ("9.0a", (9, 0), ["90a"]),
+                                               ("8.0;9.0+PTX", (9, 0), ["80", "90"]), ("", (8, 6), ["86"]),
+                                               ("7.5", None, ["75"])])
+def test_the_cuda_build_always_includes_the_gpu_at_hand(monkeypatch, archs, gpu, built):
+    # a TORCH_CUDA_ARCH_LIST set for other GPUs (a container's) must not leave this one without a kernel
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", archs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: gpu)
+    flags = [f for f in kernels._cuda_arch_flags() if "code=sm_" in f]
+    assert [f.rsplit("sm_", 1)[1] for f in flags] == built
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                     reason="no nvcc: cannot compile the CUDA source")
 def test_cuda_library_builds_for_sm90_with_nvcc_alone(monkeypatch, tmp_path):
@@ -976,11 +988,23 @@ def test_bench_kernels_prints_a_row_per_size(grad_dtype):
     assert [row[0] for row in rows] == ["1,000", "4,096"] and all(len(row) == 9 for row in rows)
 
 
+def test_the_references_code_maps_are_copied_to_a_device_once():
+    # kernels._maps_on: on a GPU each copy from pageable host memory is a host sync (test_gpu.py counts none)
+    kernels._maps_on.cache_clear()
+    x = torch.randn(256 * 4)
+    for _ in range(3):
+        codes, absmax = kernels.quantize(x, signed=True)
+        kernels.dequantize(codes, absmax, signed=True)
+        kernels.quantize(x.abs(), signed=False)
+    assert kernels._maps_on.cache_info().misses == 2  # one per map (signed, unsigned) and device
+    assert torch.equal(kernels._maps_on(torch.device("cpu"), True)[0], kernels.SIGNED_MAP)
+
+
 def bench_modes_rows(device, size, label, timeout):
     """`bench.py kernels --modes` run on one size: its table rows, checked to be one per mode, in order."""
     import bench
     out = subprocess.run([sys.executable, "bench.py", "kernels", "--device", device, "--sizes", size, "--modes"],
-                         capture_output=True, text=True, timeout=timeout)
+                         capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.strip().startswith(label)]
     assert [row[12:43].strip() for row in rows] == [mode[0] for mode in bench.PRECISION_MODES]
