@@ -207,10 +207,13 @@ def link_results(runs, links):
 def matmul_flops(device, dtype, n=2048):
     """This device's measured matmul FLOP/s (the best of 5 n x n products): a CPU's peak, for MFU."""
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)  # a CUDA matmul returns once queued
     best = float('inf')
     for _ in range(5):
+        sync()
         t0 = time.perf_counter()
         a @ b
+        sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best
 
