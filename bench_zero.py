@@ -110,7 +110,7 @@ def build(kind, cfg, device):
         module = fully_shard(model, mesh=mesh, mp_policy=policy)
         optimizer = torch.optim.AdamW(model.param_groups(zcfg.weight_decay), **adamw)  # of the DTensor params
     engine = TorchEngine(module, model, optimizer, zcfg.grad_clip)
-    if cfg['compile']:  # FSDP2 per unit, as our stage 3; DDP + ZeroRedundancyOptimizer whole, as our stages 0-2
+    if cfg['compile']:  # FSDP2 per unit, as our stages 1-3; DDP + ZeroRedundancyOptimizer whole, as our stage 0
         train.compile_model(model, engine, per_unit=kind == 'fsdp2')
     return engine
 

@@ -175,7 +175,7 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
         engine.scaler.growth_interval = growth_interval
     init_values = engine.flat_param.float().unique().tolist() if init_value is not None else None
     if compile:
-        train.compile_model(model, engine, per_unit=kind in ('zero3', 'fsdp2'))
+        train.compile_model(model, engine, per_unit=kind.startswith('zero') or kind == 'fsdp2')
     if checkpointing:  # as train.build: around the compiled blocks
         fsdp_lite.checkpoint_activations(model.transformer.h)
     events = record_unit_events(engine) if trace else None

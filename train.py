@@ -325,15 +325,18 @@ def build(cfg, device, args):
         model = GPT(GPTConfig(**args), seed=cfg['seed'])
     engine = build_engine(model, zcfg, units=list(model.transformer.h), device=device)
     if cfg['compile']:
-        compile_model(model, engine, per_unit=zcfg.stage == 3)
+        compile_model(model, engine, per_unit=zcfg.stage > 0)
     if cfg['activation_checkpointing']:  # around the compiled blocks (stage 3), inside the compiled model (0-2)
         fsdp_lite.checkpoint_activations(model.transformer.h)
     return model, engine
 
 
 def compile_model(model, engine, per_unit):
-    """torch.compile the whole module, or (per_unit: stage 3, FSDP2) each block's forward and the loss head
-    (ln_f, lm_head, the loss: the root unit's own work), so that the gathering hooks run around them, eager."""
+    """torch.compile the whole module (DDP: torch splits its graph at DDP's buckets, so the all-reduces still overlap
+    backward), or (per_unit: ZeRO stages 1-3, FSDP2) each block's forward and the loss head (ln_f, lm_head, the loss:
+    the root unit's own work), so that the gathering hooks run around them, eager. A whole model compiled is one
+    autograd node for every param: the grads of stages 1-2 would all arrive when backward ends, none of their
+    reduce-scatters overlapping it, and stage 2 would hold every grad at once."""
     if not per_unit:
         engine.module = torch.compile(engine.module)
         return
