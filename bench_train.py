@@ -124,7 +124,7 @@ def report(args, combos, runs, device, nproc, cuda):
         print(f"| {' '.join(v[2:] for v in variant) or 'the config'} | {mid:,.0f} ({low:,.0f}-{high:,.0f}) "
               f"| {every[:, 1].median().item():.1f} | {vs_first(median_tok[i], median_tok[0])} "
               f"| {f'{sorted(mfus)[len(mfus) // 2]:.1f}%' if mfus else '–'} "
-              f"| {max(peaks):.2f} | {max(peaks) / max(r[2] for r in runs[0]):.2f}x |")
+              f"| {max(peaks):.3f} | {max(peaks) / max(r[2] for r in runs[0]):.3f}x |")
 
 
 def add_arguments(parser):

@@ -154,7 +154,7 @@ def test_bench_train_runs_each_variant_and_reads_what_train_py_prints():
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [[c.strip() for c in line.strip('|').split('|')] for line in out.stdout.splitlines() if line.startswith('| zero')]
-    assert [r[0] for r in rows] == ['zero_stage=2', 'zero_stage=3'] and rows[0][3] == '1.00x (1.00-1.00)' and rows[0][6] == '1.00x', out.stdout
+    assert [r[0] for r in rows] == ['zero_stage=2', 'zero_stage=3'] and rows[0][3] == '1.00x (1.00-1.00)' and rows[0][6] == '1.000x', out.stdout
     assert all(float(r[1].split()[0].replace(',', '')) > 0 and 0.1 < float(r[5]) < 20 for r in rows), out.stdout
     assert 'world size 1 (gloo), device cpu; torchrun --nproc_per_node=1' in out.stdout
 
