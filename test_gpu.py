@@ -209,9 +209,10 @@ def test_profile_traces_cuda_kernels_of_iterations_2_to_4_and_stops():
                    key=lambda e: e['ts'])
     assert [e['name'] for e in steps] == ['ProfilerStep#1', 'ProfilerStep#2', 'ProfilerStep#3']
     assert any(e.get('name', '').startswith('all_gather unit ') for e in events)
-    if GPU:  # kernels run on the GPU's timeline after their launch: from the first traced step on
+    if GPU:  # kernels run on the GPU's timeline after their launch: from the first traced step on (5 ms of slack for
+        # a kernel iteration 1 queued that is still running when the trace starts)
         kernels = [e for e in events if e.get('cat') == 'kernel']
-        assert len(kernels) > 100 and all(e['ts'] >= steps[0]['ts'] for e in kernels)
+        assert len(kernels) > 100 and all(e['ts'] >= steps[0]['ts'] - 5000 for e in kernels)
     lines = [line.split(':')[0] for line in log.splitlines() if line.startswith(('iter ', 'profiler trace'))]
     assert lines.index('profiler trace of iterations 2-4') == 3  # right after iteration 4's step
 
