@@ -304,7 +304,8 @@ def load(engine, path, manifest, log=print):
                 if work is not None:
                     work.wait()
             engine.step_count = manifest['step_count']
-            engine.scaler.scale, engine.scaler.clean_steps = manifest['loss_scale']['scale'], manifest['loss_scale']['clean_steps']
+            if carries_loss_scale(engine, manifest):
+                engine.scaler.scale, engine.scaler.clean_steps = manifest['loss_scale']['scale'], manifest['loss_scale']['clean_steps']
         for name, value in shards.file(0).get('frozen', {}).items():
             dict(engine.model.named_parameters())[name].data.copy_(value)
     return manifest['iter_num'], manifest['best_val_loss']
@@ -338,9 +339,16 @@ def load_stage0(engine, shards, manifest):
         p.data.copy_(read[0])
         state[i] = {'step': torch.tensor(float(manifest['step_count']), device='cpu'), 'exp_avg': read[1], 'exp_avg_sq': read[2]}
     engine.optimizer.load_state_dict({'state': state, 'param_groups': engine.optimizer.state_dict()['param_groups']})
-    if engine.scaler.is_enabled():
+    if carries_loss_scale(engine, manifest):
         engine.scaler.load_state_dict({**engine.scaler.state_dict(), 'scale': manifest['loss_scale']['scale'],
                                        '_growth_tracker': manifest['loss_scale']['clean_steps']})
+
+
+def carries_loss_scale(engine, manifest):
+    """The saved loss scale is the resumed run's only when both runs are fp16: a bf16 or fp32 run has none (its scale
+    is 1), and an fp16 run resumed in bf16 that took the saved 65536 along would divide every grad by it for good
+    (its scaler is off and never updates it), where a bf16 run resumed in fp16 would start its scale at 1."""
+    return manifest['param_dtype'] == 'float16' and engine.cfg.param_dtype == torch.float16
 
 # -----------------------------------------------------------------------------
 # consolidate: one nanoGPT-layout state dict, no process group, no GPU

@@ -183,6 +183,10 @@ JOBS.update({'precision remainder+int8, same layout': resume_runs(2, 3, cfg=REMA
              'precision none+bf16+stochastic rounding, same layout': resume_runs(2, 2, cfg=NONE),
              'precision, stage 3 on 2 -> stage 3 on 3': resave_runs(2, 3, 3, 3, old=REMAINDER, new=REMAINDER),
              'precision, stage 2 on 2 -> stage 1 on 4': resave_runs(2, 2, 4, 1, old=REMAINDER, new=REMAINDER)})
+FP16, BF16 = dict(dtype='float16'), dict(dtype='bfloat16')
+JOBS.update({'loss scale, fp16 stage 1 -> bf16 stage 1': resave_runs(2, 1, 2, 1, old=FP16, new=BF16),
+             'loss scale, bf16 stage 2 -> fp16 stage 0': resave_runs(2, 2, 2, 0, old=BF16, new=FP16),
+             'loss scale, fp16 stage 2 -> fp16 stage 3': resave_runs(2, 2, 2, 3, old=FP16, new=FP16)})
 
 
 @functools.lru_cache(maxsize=None)
@@ -596,3 +600,20 @@ def test_a_run_from_scratch_refuses_an_out_dir_with_checkpoints():
     cfg = {**CFG, 'out_dir': straight_run()[0], 'init_from': 'scratch'}
     with pytest.raises(ValueError, match=f"{ckpt(cfg['out_dir'], 10)} is a checkpoint of an earlier run"):
         checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+
+
+def test_the_loss_scale_carries_over_only_from_fp16_to_fp16():
+    """checkpoint.carries_loss_scale. Before, an fp16 checkpoint resumed in bf16 kept dividing every grad by the saved
+    65536 (the bf16 run's scaler is off and never updates it: grad norms logged as 0.000), and a bf16 checkpoint
+    resumed in fp16 started its loss scale at 1 (fp16 grads flushed to zero)."""
+    scales = {}
+    for name in ('loss scale, fp16 stage 1 -> bf16 stage 1', 'loss scale, bf16 stage 2 -> fp16 stage 0',
+                 'loss scale, fp16 stage 2 -> fp16 stage 3'):
+        _, d = job(name)
+        scales[name] = [checkpoint.read_manifest(ckpt(os.path.join(d, run), 2))['loss_scale'] for run in ('saved', 'resaved')]
+    saved, resaved = scales['loss scale, fp16 stage 1 -> bf16 stage 1']
+    assert saved['scale'] > 1 and resaved == {'scale': 1.0, 'clean_steps': 0}
+    saved, resaved = scales['loss scale, bf16 stage 2 -> fp16 stage 0']
+    assert saved['scale'] == 1.0 and resaved['scale'] == 2.0 ** 16  # the fp16 run's own start
+    saved, resaved = scales['loss scale, fp16 stage 2 -> fp16 stage 3']
+    assert saved['scale'] > 1 and saved['clean_steps'] == 2 and resaved == saved  # carried: scale and clean steps
