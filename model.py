@@ -251,8 +251,8 @@ class GPT(nn.Module):
 # one_hot, in [-1, 1]), and backward scales them by the incoming grad (the 1/micro-steps, a loss scale) / count: in
 # fp16 a probability / count (2e-5 / 2048 at init with GPT-2's vocab) is below fp16's smallest number, and would
 # flush to zero before the loss scale could lift it (a plain head's logits get their grad with the scale in it).
-# fp16 also caps a chunk at 1024 rows, so that the weight grad's sum over a chunk's rows stays far below fp16's
-# 65504. The FLOPs are those of the plain head (one matmul forward, two backward), nothing is recomputed; what is
+# fp16 also caps a chunk at 256 rows: the weight grad's sum over a chunk's rows (|g| <= 1) is an fp16 matmul's
+# output, and stays below fp16's 65504 unless the head's inputs pass 256. The FLOPs are those of the plain head (one matmul forward, two backward), nothing is recomputed; what is
 # saved for backward is the grad of x (B*T x C) and of the weight (vocab x C, fp32), not B*T x vocab. Under
 # no_grad (evaluation) only the loss is computed. The same head for every stage and for the oracles (torch DDP,
 # FSDP2 run this file too).
@@ -270,7 +270,7 @@ def chunked_cross_entropy(x, weight, targets, rows, grads):
     would), else in x's."""
     autocast = torch.is_autocast_enabled(x.device.type)
     dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
-    rows = min(rows, 1024) if dtype == torch.float16 else rows  # [Note: chunked loss head]
+    rows = min(rows, 256) if dtype == torch.float16 else rows  # [Note: chunked loss head]
     w = weight.to(dtype)
     valid = targets != -1
     count = valid.sum()
