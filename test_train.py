@@ -107,6 +107,19 @@ def test_train_py_logs_nanogpt_lines_saves_and_resumes(tmp_path, stage):
     assert wrong.returncode != 0 and 'saved by another model: n_layer=1 (the config says 2)' in wrong.stderr
 
 
+def test_a_run_whose_every_step_is_skipped_stops_with_one_clear_line(tmp_path):
+    # learning_rate=1e30: the first step sends the params to ~1e30, every later grad is NaN and every step is skipped
+    # (the same norm on every rank); before, the run went on to max_iters learning nothing (an fp16 run's loss scale
+    # halving to 0 on the way, then ZeroDivisionError)
+    out = subprocess.run(torchrun_cmd(2, f'--out_dir={tmp_path}', '--zero_stage=2', '--learning_rate=1e30',
+                                      '--warmup_iters=0', '--max_iters=200', '--eval_interval=1000'),
+                         capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert out.returncode != 0 and 'iter 42:' not in out.stdout, out.stdout[-2000:]
+    ours = [line for line in out.stderr.splitlines() if line.startswith('training stopped: ')]
+    assert len(ours) == 1 and 'iterations 2-41: 40 steps in a row skipped, their grads not finite' in ours[0], out.stderr[-3000:]
+    assert 'Traceback' not in out.stderr.split('training stopped')[0]  # no rank's traceback before it
+
+
 def test_bench_zero_runs_every_kind_from_the_same_first_step():
     # the benchmark is a claim too: it must run all six kinds, and with the same weights and batches their
     # first step must agree (fp32), or the ratios compare different work

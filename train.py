@@ -195,6 +195,13 @@ def get_lr(it, cfg):
     return cfg['min_lr'] + coeff * (cfg['learning_rate'] - cfg['min_lr'])
 
 
+SKIPPED_IN_A_ROW = 40  # then a run stops: fp16's loss scale has halved from 2^16 to 2^-24, past any that could help
+
+
+class Stop(RuntimeError):
+    """A run that cannot go on usefully: one line on rank 0, exit code 1 (every rank stops at the same iteration)."""
+
+
 def train_step(engine, batches, lr, autocast):
     """One optimizer step over this rank's micro-batches [(x, y), ...]. Returns (this rank's mean loss,
     the global grad norm before clipping). The engine decides when grads are communicated."""
@@ -364,7 +371,7 @@ def main(cfg):
         announce_kernel_build(cfg['optimizer_impl'], device, log)
         impl = kernels.resolve_impl(cfg['optimizer_impl'], device)
     model, engine = build(cfg, device, args)
-    iter_num, best_val_loss = 0, 1e9
+    iter_num, best_val_loss, skipped = 0, 1e9, 0
     if resume:
         iter_num, best_val_loss = checkpoint.load(engine, *resume, log=log)
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
@@ -397,6 +404,11 @@ def main(cfg):
         batches = train_batches(data['train'], iter_num, cfg, rank, world_size, device)
         loss, grad_norm = train_step(engine, batches, lr, autocast)
         iter_num += 1
+        skipped = 0 if math.isfinite(grad_norm) else skipped + 1  # the same norm on every rank: all stop together
+        if skipped == SKIPPED_IN_A_ROW:
+            raise Stop(f"iterations {iter_num - skipped + 1}-{iter_num}: {skipped} steps in a row skipped, their "
+                               f"grads not finite{' whatever the loss scale' if cfg['dtype'] == 'float16' else ''}: "
+                               "look for NaN or inf in the data, the loss or the params, or lower learning_rate")
         checkpoint.fault_point('step', iter_num)
         if profiler:
             profiler = profiler_step(profiler, cfg, log)
@@ -466,4 +478,9 @@ if __name__ == '__main__':
         if int(os.environ.get('RANK', 0)) == 0:
             print(f"config error: {e}", file=sys.stderr)
         sys.exit(1)
-    main(config)
+    try:
+        main(config)
+    except Stop as e:
+        if int(os.environ.get('RANK', 0)) == 0:
+            print(f"training stopped: {e}", file=sys.stderr)
+        sys.exit(1)
