@@ -333,7 +333,7 @@ def build(cfg, device, args):
     engine = build_engine(model, zcfg, units=list(model.transformer.h), device=device)
     if cfg['compile']:
         compile_model(model, engine, per_unit=zcfg.stage > 0)
-    if cfg['activation_checkpointing']:  # around the compiled blocks (stage 3), inside the compiled model (0-2)
+    if cfg['activation_checkpointing']:  # around the compiled blocks (stages 1-3), inside the compiled model (0)
         fsdp_lite.checkpoint_activations(model.transformer.h)
     return model, engine
 
