@@ -507,16 +507,17 @@ def test_zero3_prefetch_launches_the_next_units_all_gathers_before_computing_and
                 assert launched and launched[-1] < wait, (phase, unit, ahead)
 
 
-def test_zero3_compiled_blocks_and_head_equal_eager_and_do_not_recompile():
-    eager, compiled = run_ranks(2, [dict(kind='zero3', accum=4, compile=c) for c in (False, True)])
-    # inductor orders fp32 sums its own way: losses equal, norms within 3.4e-7, and Adam magnifies that on a few
-    # near-zero elements (3.6e-6 absolute), so the params are compared as one vector (measured: 4.9e-7 apart)
-    torch.testing.assert_close(torch.tensor(compiled['losses']), torch.tensor(eager['losses']), rtol=1e-5, atol=0)
-    torch.testing.assert_close(torch.tensor(compiled['norms']), torch.tensor(eager['norms']), rtol=1e-5, atol=0)
-    ref = torch.cat([p.flatten() for p in eager['params'].values()])
-    assert (torch.cat([compiled['params'][n].flatten() for n in eager['params']]) - ref).norm() <= 1e-5 * ref.norm()
-    # one graph serves every block and step, one the loss head
-    assert compiled['graphs_after_first_step'] == compiled['graphs'] == 2
+def test_zero2_and_zero3_compiled_blocks_and_head_equal_eager_and_do_not_recompile():
+    for kind in ('zero2', 'zero3'):  # both compile per block and head (train.compile_model); a fresh spawn each:
+        eager, compiled = run_ranks(2, [dict(kind=kind, accum=4, compile=c) for c in (False, True)])  # graphs counted
+        # inductor orders fp32 sums its own way: losses equal, norms within 3.4e-7, and Adam magnifies that on a few
+        # near-zero elements (3.6e-6 absolute), so the params are compared as one vector (measured: 4.9e-7 apart)
+        torch.testing.assert_close(torch.tensor(compiled['losses']), torch.tensor(eager['losses']), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(compiled['norms']), torch.tensor(eager['norms']), rtol=1e-5, atol=0)
+        ref = torch.cat([p.flatten() for p in eager['params'].values()])
+        assert (torch.cat([compiled['params'][n].flatten() for n in eager['params']]) - ref).norm() <= 1e-5 * ref.norm()
+        # one graph serves every block and step, one the loss head
+        assert compiled['graphs_after_first_step'] == compiled['graphs'] == 2
 
 
 def test_activation_checkpointing_changes_no_number_and_no_collective_at_stages_0_to_3():
