@@ -18,6 +18,7 @@ train.py sees, the whole run in its own processes.
 """
 import itertools
 import os
+import shutil
 import re
 import subprocess
 import sys
@@ -56,9 +57,11 @@ def parse_log(log, warm):
 
 
 def run(cmd):
-    """(exit code, stdout + stderr, peak RSS in GiB of the largest process of cmd's tree that was waited for)."""
+    """(exit code, stdout + stderr, peak RSS in GiB of the largest process of cmd's tree that was waited for). Linux
+    starts a child's high-water mark at its parent's RSS when it forks: bench.py's own ~0.26 GiB is a floor."""
     with tempfile.TemporaryFile('w+') as out:  # a file, not a pipe: os.wait4 reaps the job, nothing reads while it runs
-        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, text=True)
+        job = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, text=True,
+                               env={**os.environ, 'PYTHONUNBUFFERED': '1'})  # whole lines: ranks share the file
         _, status, usage = os.wait4(job.pid, 0)  # ru_maxrss: the job's own or its largest child's
         job.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
@@ -71,20 +74,25 @@ def run_job(args, variant, nproc, out_dir):
            args.config, *[f'--{kv}' for kv in args.set], *variant, f'--max_iters={args.iters}', '--log_interval=1',
            f'--eval_iters={nproc}', f'--eval_interval={args.iters + 1}', f'--out_dir={out_dir}']  # evals at 0 and the end
     code, log, rss = run(cmd)
+    shutil.rmtree(out_dir, ignore_errors=True)  # the final eval's checkpoint: GBs for GPT-2, of no use here
     if code != 0:
         raise RuntimeError(f"train.py {' '.join(variant)} exited with {code}:\n{log[-3000:]}\n$ {' '.join(cmd)}")
     return log, rss
 
 
 def bench_train(args):
-    cfg = train.parse_config([args.config] + [f'--{kv}' for kv in args.set])
-    combos = variants(args.vary)
-    for variant in combos:  # a bad key or value: one line now, not a traceback from the first job
-        train.parse_config([args.config] + [f'--{kv}' for kv in args.set] + variant)
-    if args.warm >= args.iters:
-        raise ValueError(f"--warm={args.warm} leaves no timed iteration of --iters={args.iters}: lower it or raise --iters")
-    cuda = torch.device(cfg['device']).type == 'cuda'
-    nproc = args.nproc or (torch.cuda.device_count() if cuda else 2)
+    try:  # a bad key or value: one line now, not a traceback from the first job
+        cfg = train.parse_config([args.config] + [f'--{kv}' for kv in args.set])
+        cuda = torch.device(cfg['device']).type == 'cuda'
+        nproc = args.nproc or (torch.cuda.device_count() if cuda else 2)
+        combos = variants(args.vary)
+        if args.warm >= args.iters or args.runs < 1:
+            raise ValueError(f"--warm={args.warm}, --iters={args.iters}, --runs={args.runs}: every job needs a timed "
+                             "iteration (warm < iters) and every variant a run (runs >= 1)")
+        for variant in combos:
+            train.check_config(train.parse_config([args.config] + [f'--{kv}' for kv in args.set] + variant), nproc)
+    except ValueError as e:
+        sys.exit(f"bench.py train: {e}")
     runs = {i: [] for i in range(len(combos))}  # variant -> [(iterations, peak GiB)], one per run
     device = None
     with tempfile.TemporaryDirectory() as tmp:  # checkpoints of the final eval, thrown away
@@ -129,7 +137,8 @@ def report(args, combos, runs, device, nproc, cuda):
 
 def add_arguments(parser):
     parser.add_argument('--vary', action='append', default=[], metavar='KEY=A,B',
-                        help="train: a config key's values to compare (repeatable: every combination; the first is the baseline)")
+                        help="train: a config key's values to compare, comma-separated (so a value cannot hold a comma); repeatable: "
+                        "every combination, the first the baseline")
     parser.add_argument('--runs', type=int, default=1, help="train: jobs of each variant, taking turns")
     parser.add_argument('--iters', type=int, default=30, help="train: iterations of each job (max_iters)")
     parser.add_argument('--warm', type=int, default=10, help="train: the first iterations, not timed (compilation)")

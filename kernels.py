@@ -437,13 +437,12 @@ def _run(*command):
 
 
 def _cuda_arch_flags():
-    """-gencode flags for TORCH_CUDA_ARCH_LIST (e.g. "8.0;9.0+PTX") and for this GPU (sm_90 on H100/H200): a list set in
-    a container for other GPUs would build a library with no kernel this one can run, found only at the first step."""
+    """-gencode flags for TORCH_CUDA_ARCH_LIST (e.g. "8.0;9.0+PTX"), and for this GPU (sm_90 on H100/H200) if nothing in
+    the list runs on it: a list set in a container for other GPUs would build a library with no kernel this one can
+    run, found only at the first step."""
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").replace(",", " ").split()
-    if torch.cuda.is_available():
-        here = "%d.%d" % torch.cuda.get_device_capability()
-        if not any(arch.removesuffix("+PTX").removesuffix("a") == here for arch in archs):  # "9.0a" runs on a 9.0 GPU
-            archs.append(here)
+    if torch.cuda.is_available() and not any(_runs_on(arch, torch.cuda.get_device_capability()) for arch in archs):
+        archs.append("%d.%d" % torch.cuda.get_device_capability())
     if not archs:
         raise RuntimeError("no GPU to build for: set TORCH_CUDA_ARCH_LIST, e.g. 9.0")
     flags = []
@@ -453,6 +452,16 @@ def _cuda_arch_flags():
         if arch.endswith("+PTX"):
             flags.append(f"-gencode=arch=compute_{sm},code=compute_{sm}")
     return flags
+
+
+def _runs_on(arch, capability):
+    """Whether code built for arch ("8.0", "9.0a", "8.6+PTX") runs on a GPU of capability (major, minor): a binary on
+    its own major at an equal or higher minor, an arch-specific one ("a") on its own GPU only, PTX on any newer GPU."""
+    a = arch.removesuffix("+PTX")
+    major, minor = (int(x) for x in a.removesuffix("a").split("."))
+    if a.endswith("a"):
+        return (major, minor) == tuple(capability)
+    return (major, minor) <= tuple(capability) and (arch.endswith("+PTX") or major == capability[0])
 
 
 def _command(impl):

@@ -790,7 +790,8 @@ def test_cuda_kernel_equals_the_cpu_kernel_bit_for_bit(impl, weights, state):
 
 @pytest.mark.parametrize("archs, gpu, built", [("8.0", (9, 0), ["80", "90"]), ("9.0a", (9, 0), ["90a"]),
                                                ("8.0;9.0+PTX", (9, 0), ["80", "90"]), ("", (8, 6), ["86"]),
-                                               ("7.5", None, ["75"])])
+                                               ("7.5", None, ["75"]), ("8.0", (8, 6), ["80"]),  # 8.0 runs on 8.6
+                                               ("8.0+PTX", (9, 0), ["80"]), ("9.0a", (10, 0), ["90a", "100"])])
 def test_the_cuda_build_always_includes_the_gpu_at_hand(monkeypatch, archs, gpu, built):
     # a TORCH_CUDA_ARCH_LIST set for other GPUs (a container's) must not leave this one without a kernel
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", archs)

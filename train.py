@@ -405,10 +405,6 @@ def main(cfg):
         loss, grad_norm = train_step(engine, batches, lr, autocast)
         iter_num += 1
         skipped = 0 if math.isfinite(grad_norm) else skipped + 1  # the same norm on every rank: all stop together
-        if skipped == SKIPPED_IN_A_ROW:
-            raise Stop(f"iterations {iter_num - skipped + 1}-{iter_num}: {skipped} steps in a row skipped, their "
-                               f"grads not finite{' whatever the loss scale' if cfg['dtype'] == 'float16' else ''}: "
-                               "look for NaN or inf in the data, the loss or the params, or lower learning_rate")
         checkpoint.fault_point('step', iter_num)
         if profiler:
             profiler = profiler_step(profiler, cfg, log)
@@ -427,6 +423,10 @@ def main(cfg):
                   + f", sent {sent}")
         if device.type == 'cuda' and iter_num in (1, cfg['max_iters']):
             log(f"cuda max_memory_allocated after iteration {iter_num}: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
+        if skipped == SKIPPED_IN_A_ROW:  # after the iteration's log line
+            raise Stop(f"iterations {iter_num - skipped + 1}-{iter_num}: {skipped} steps in a row skipped, their "
+                       f"grads not finite{' whatever the loss scale' if cfg['dtype'] == 'float16' else ''}: "
+                       "look for NaN or inf in the data, the loss or the params, or lower learning_rate")
     if profiler:  # a run of fewer than 4 iterations
         profiler.stop()
     comm.end_process_group(device)  # every rank done; [Note: the end of a run]
