@@ -166,6 +166,17 @@ def scaler_state(engine):
     return {'scale': engine.scaler.scale, 'clean_steps': engine.scaler.clean_steps}
 
 
+def load_loss_scale(engine, manifest):
+    """scaler_state's inverse, from an fp16 run into an fp16 run only: a bf16 run resumed from fp16 would divide its
+    grads by the saved 65536 for good (its scaler is off), an fp16 run resumed from bf16 would start at scale 1."""
+    if manifest['param_dtype'] == 'float16' and engine.cfg.param_dtype == torch.float16:
+        scale, clean = manifest['loss_scale']['scale'], manifest['loss_scale']['clean_steps']
+        if engine.stage == 0:
+            engine.scaler.load_state_dict({**engine.scaler.state_dict(), 'scale': scale, '_growth_tracker': clean})
+        else:
+            engine.scaler.scale, engine.scaler.clean_steps = scale, clean
+
+
 def fault_point(where, iteration):
     """A test hook: NANOZERO_FAULT=where:iteration:rank SIGKILLs that rank at 'step' (after an optimizer step),
     'save' (after it wrote its file) or 'manifest' (rank 0, before the rename). A comma-separated list: the k-th
@@ -304,8 +315,7 @@ def load(engine, path, manifest, log=print):
                 if work is not None:
                     work.wait()
             engine.step_count = manifest['step_count']
-            if carries_loss_scale(engine, manifest):
-                engine.scaler.scale, engine.scaler.clean_steps = manifest['loss_scale']['scale'], manifest['loss_scale']['clean_steps']
+        load_loss_scale(engine, manifest)
         for name, value in shards.file(0).get('frozen', {}).items():
             dict(engine.model.named_parameters())[name].data.copy_(value)
     return manifest['iter_num'], manifest['best_val_loss']
@@ -339,16 +349,6 @@ def load_stage0(engine, shards, manifest):
         p.data.copy_(read[0])
         state[i] = {'step': torch.tensor(float(manifest['step_count']), device='cpu'), 'exp_avg': read[1], 'exp_avg_sq': read[2]}
     engine.optimizer.load_state_dict({'state': state, 'param_groups': engine.optimizer.state_dict()['param_groups']})
-    if carries_loss_scale(engine, manifest):
-        engine.scaler.load_state_dict({**engine.scaler.state_dict(), 'scale': manifest['loss_scale']['scale'],
-                                       '_growth_tracker': manifest['loss_scale']['clean_steps']})
-
-
-def carries_loss_scale(engine, manifest):
-    """The saved loss scale is the resumed run's only when both runs are fp16: a bf16 or fp32 run has none (its scale
-    is 1), and an fp16 run resumed in bf16 that took the saved 65536 along would divide every grad by it for good
-    (its scaler is off and never updates it), where a bf16 run resumed in fp16 would start its scale at 1."""
-    return manifest['param_dtype'] == 'float16' and engine.cfg.param_dtype == torch.float16
 
 # -----------------------------------------------------------------------------
 # consolidate: one nanoGPT-layout state dict, no process group, no GPU

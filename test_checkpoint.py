@@ -603,7 +603,7 @@ def test_a_run_from_scratch_refuses_an_out_dir_with_checkpoints():
 
 
 def test_the_loss_scale_carries_over_only_from_fp16_to_fp16():
-    """checkpoint.carries_loss_scale. Before, an fp16 checkpoint resumed in bf16 kept dividing every grad by the saved
+    """checkpoint.load_loss_scale. Before, an fp16 checkpoint resumed in bf16 kept dividing every grad by the saved
     65536 (the bf16 run's scaler is off and never updates it: grad norms logged as 0.000), and a bf16 checkpoint
     resumed in fp16 started its loss scale at 1 (fp16 grads flushed to zero)."""
     scales = {}
