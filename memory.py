@@ -206,13 +206,20 @@ def lowest_stage_that_fits(model, zcfg, world, tokens, limit_bytes, checkpointin
 
 def device_memory_bytes(device, memory_gb=0.0):
     """What one rank may use: on a GPU what torch.cuda.mem_get_info reports free; on a CPU memory_gb if set,
-    else the machine's RAM divided among the ranks on this machine."""
+    else the machine's RAM divided among the ranks on this machine. In a process group, the least of any rank's:
+    every rank must pick the same stage (GPUs of one job can have different memory free, and a rank at stage 0 beside
+    one at stage 1 would each wait in a collective the other never joins)."""
     if device.type == 'cuda':
-        return torch.cuda.mem_get_info(device)[0]
-    if memory_gb > 0:
-        return memory_gb * 1e9
-    ram = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-    return ram / int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+        mine = torch.cuda.mem_get_info(device)[0]
+    elif memory_gb > 0:
+        mine = memory_gb * 1e9
+    else:
+        mine = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+    if not torch.distributed.is_initialized():
+        return mine
+    least = torch.tensor([mine], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+    return least.item()
 
 
 def unit_sizes(model, units):

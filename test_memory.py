@@ -216,8 +216,7 @@ def _auto_with_unequal_memory(rank, init, out):
     dist.init_process_group('gloo', init_method=f'file://{init}', rank=rank, world_size=2)
     need = hand_estimates(world=2)
     free = [2 * need[0], (need[1] + need[2]) / 2][rank] / 0.9  # rank 0 alone would pick stage 0, rank 1 stage 2
-    memory.device_memory_bytes = lambda device, memory_gb=0.0: free  # as mem_get_info on two GPUs of one job
-    cfg, args = auto_config(memory_gb=0.0)
+    cfg, args = auto_config(memory_gb=free / 1e9)  # as mem_get_info on two GPUs of one job
     torch.save(train.choose_stage(cfg, torch.device('cpu'), 2, args), os.path.join(out, f'rank{rank}.pt'))
     dist.destroy_process_group()
 

@@ -195,13 +195,6 @@ def get_lr(it, cfg):
     return cfg['min_lr'] + coeff * (cfg['learning_rate'] - cfg['min_lr'])
 
 
-SKIPPED_IN_A_ROW = 40  # then a run stops: fp16's loss scale has halved from 2^16 to 2^-24, past any that could help
-
-
-class Stop(RuntimeError):
-    """A run that cannot go on usefully: one line on rank 0, exit code 1 (every rank stops at the same iteration)."""
-
-
 def train_step(engine, batches, lr, autocast):
     """One optimizer step over this rank's micro-batches [(x, y), ...]. Returns (this rank's mean loss,
     the global grad norm before clipping). The engine decides when grads are communicated."""
@@ -307,18 +300,12 @@ def zero_config(cfg):
 
 def choose_stage(cfg, device, world_size, args):
     """zero_stage='auto': the lowest stage whose model states + transients + activations fit (memory.py) in the memory
-    of the rank that has least. Every rank must pick the same stage, and the GPUs of one job can have different
-    memory free: a rank at stage 0 and one at stage 1 would each wait in a collective the other never joins."""
-    limit = memory.device_memory_bytes(device, cfg['memory_gb'])
-    if dist.is_initialized():
-        least = torch.tensor([limit], dtype=torch.float64, device=device)
-        dist.all_reduce(least, op=dist.ReduceOp.MIN)
-        limit = least.item()
+    of the rank that has least (memory.device_memory_bytes)."""
     with torch.device('meta'):
         model = GPT(GPTConfig(**args))
     stage, line, hint = memory.lowest_stage_that_fits(
-        model, zero_config({**cfg, 'zero_stage': 1}), world_size, cfg['batch_size'] * cfg['block_size'], limit,
-        cfg['activation_checkpointing'])
+        model, zero_config({**cfg, 'zero_stage': 1}), world_size, cfg['batch_size'] * cfg['block_size'],
+        memory.device_memory_bytes(device, cfg['memory_gb']), cfg['activation_checkpointing'])
     if stage is None:
         raise ValueError(f"{line}: use {hint}more ranks, a smaller batch_size or block_size, or set memory_gb")
     return stage, line
@@ -332,19 +319,18 @@ def build(cfg, device, args):
         model = GPT(GPTConfig(**args), seed=cfg['seed'])
     engine = build_engine(model, zcfg, units=list(model.transformer.h), device=device)
     if cfg['compile']:
-        compile_model(model, engine, per_unit=zcfg.stage > 0)
+        compile_model(model, engine)
     if cfg['activation_checkpointing']:  # around the compiled blocks (stages 1-3), inside the compiled model (0)
         fsdp_lite.checkpoint_activations(model.transformer.h)
     return model, engine
 
 
-def compile_model(model, engine, per_unit):
-    """torch.compile the whole module (DDP: torch splits its graph at DDP's buckets, so the all-reduces still overlap
-    backward), or (per_unit: ZeRO stages 1-3, FSDP2) each block's forward and the loss head (ln_f, lm_head, the loss:
-    the root unit's own work), so that the gathering hooks run around them, eager. A whole model compiled is one
-    autograd node for every param: the grads of stages 1-2 would all arrive when backward ends, none of their
-    reduce-scatters overlapping it, and stage 2 would hold every grad at once."""
-    if not per_unit:
+def compile_model(model, engine):
+    """torch.compile a DDP-wrapped model whole (torch splits its graph at DDP's buckets: the all-reduces still overlap
+    backward); anything else (ZeRO stages 1-3, FSDP2) per unit: each block's forward and the loss head (the root unit's
+    own work), the grad and gathering hooks around them, eager. A whole model compiled is one backward node yielding
+    every grad at once: stage 2's reduce-scatters would all wait for the end of backward, holding every grad."""
+    if isinstance(engine.module, torch.nn.parallel.DistributedDataParallel):
         engine.module = torch.compile(engine.module)
         return
     for block in model.transformer.h:
@@ -368,7 +354,7 @@ def main(cfg):
     eval_sets = {s: [windows(data[s], rows, cfg['block_size'], device) for rows in draw(data[s], [cfg['seed'], 1 + i], cfg['eval_iters'], cfg)]
                  for i, s in enumerate(('train', 'val'))}
     if cfg['zero_stage'] > 0:  # every rank builds (or loads) the AdamW kernel now, not while the others wait in a collective
-        announce_kernel_build(cfg['optimizer_impl'], device, log)
+        kernels.announce_build(cfg['optimizer_impl'], device, log)
         impl = kernels.resolve_impl(cfg['optimizer_impl'], device)
     model, engine = build(cfg, device, args)
     iter_num, best_val_loss, skipped = 0, 1e9, 0
@@ -423,23 +409,13 @@ def main(cfg):
                   + f", sent {sent}")
         if device.type == 'cuda' and iter_num in (1, cfg['max_iters']):
             log(f"cuda max_memory_allocated after iteration {iter_num}: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
-        if skipped == SKIPPED_IN_A_ROW:  # after the iteration's log line
-            raise Stop(f"iterations {iter_num - skipped + 1}-{iter_num}: {skipped} steps in a row skipped, their "
-                       f"grads not finite{' whatever the loss scale' if cfg['dtype'] == 'float16' else ''}: "
-                       "look for NaN or inf in the data, the loss or the params, or lower learning_rate")
+        if skipped == 40:  # fp16's scale now 2^-24, none would help. After the log line; every rank at once: exit 1
+            sys.exit(f"training stopped: iterations {iter_num - skipped + 1}-{iter_num}: {skipped} steps in a row skipped, "
+                     f"their grads not finite{' whatever the loss scale' if cfg['dtype'] == 'float16' else ''}: look for "
+                     "NaN or inf in the data, the loss or the params, or lower learning_rate" if master_process else 1)
     if profiler:  # a run of fewer than 4 iterations
         profiler.stop()
     comm.end_process_group(device)  # every rank done; [Note: the end of a run]
-
-
-def announce_kernel_build(impl, device, log):
-    kind = device.type if impl == 'auto' else impl
-    try:
-        path = kernels.cache_path(kind) if kind in ('cpu', 'cuda') else None
-    except RuntimeError:
-        return  # it cannot be built here: resolve_impl says why
-    if path is not None and not path.exists():
-        log(f"building the fused AdamW kernel for {kind} (first run only, a few seconds; cached in {path})")
 
 
 def start_profiler(cfg, rank, device):
@@ -478,9 +454,4 @@ if __name__ == '__main__':
         if int(os.environ.get('RANK', 0)) == 0:
             print(f"config error: {e}", file=sys.stderr)
         sys.exit(1)
-    try:
-        main(config)
-    except Stop as e:
-        if int(os.environ.get('RANK', 0)) == 0:
-            print(f"training stopped: {e}", file=sys.stderr)
-        sys.exit(1)
+    main(config)
