@@ -111,7 +111,7 @@ def build(kind, cfg, device):
         optimizer = torch.optim.AdamW(model.param_groups(zcfg.weight_decay), **adamw)  # of the DTensor params
     engine = TorchEngine(module, model, optimizer, zcfg.grad_clip)
     if cfg['compile']:  # FSDP2 per unit, as our stages 1-3; DDP + ZeroRedundancyOptimizer whole, as our stage 0
-        train.compile_model(model, engine, per_unit=kind == 'fsdp2')
+        train.compile_model(model, engine)
     return engine
 
 

@@ -485,6 +485,17 @@ def cache_path(impl):
     return cache / f"adamw_{impl}_{digest}.so"
 
 
+def announce_build(impl, device, log):
+    """Say so before a first run builds the library (every rank builds or loads it before its first collective)."""
+    kind = device.type if impl == "auto" else impl
+    try:
+        path = cache_path(kind) if kind in ("cpu", "cuda") else None
+    except RuntimeError:
+        return  # it cannot be built here: resolve_impl says why
+    if path is not None and not path.exists():
+        log(f"building the fused AdamW kernel for {kind} (first run only, a few seconds; cached in {path})")
+
+
 def compile_library(source, command, path):
     """Compile source with command (the compiler and its flags) into the shared library path, once: [Note: plain
     shared libraries]. RuntimeError with the compiler's first error line if it fails."""
