@@ -1,6 +1,7 @@
 """
 What the optimizer stores, end to end through the ZeRO stages (the kernel's own tests: test_kernels.py).
-Every claim uses the oracle harness of test_zero.py: tiny GPT, fixed global batch, 2 gloo ranks, bf16 compute.
+Every claim uses the oracle harness of test_zero.py: tiny GPT, fixed global batch, 2 gloo ranks, bf16 compute; the
+last, the loss head's fp16 grads, model.py alone.
 
     python -m pytest -q test_precision.py
 """
@@ -11,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import model
 from kernels import Precision
 from test_zero import ON_CPU, assert_same_run, run_ranks, tiny_model
 
@@ -128,3 +130,31 @@ def test_study_precision_quick_runs_every_pattern(tmp_path):
     assert len(rows) == 8
     remainder = next(r for r in rows if r.startswith('| remainder'))
     assert '| +0.0000 |' in remainder  # equal to the baseline, exactly
+
+
+def test_chunked_loss_head_in_fp16_keeps_the_small_grads_a_loss_scale_protects():
+    """[Note: chunked loss head]: in fp16 the head's grads wait for the loss scale before they are divided by the
+    token count. GPT-2's vocab at init: each probability / count is ~4e-8, below fp16's smallest number; before,
+    every vocab row that no token of the batch targets got a grad of exactly 0."""
+    torch.manual_seed(0)
+    x, w = torch.randn(512, 32), 0.02 * torch.randn(50304, 32)  # p / count ~ 2e-5 / 512: fp16's smallest is 6e-8
+    targets = torch.randint(50304, (512,))
+
+    def grads(dtype, scale):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast('cpu', dtype=dtype, enabled=dtype != torch.float32):
+            loss = model.linear_cross_entropy(xr, wr, targets, model.loss_chunk_rows(50304))
+        (loss * scale).backward()  # a loss scale, as the fp16 GradScaler applies
+        return xr.grad / scale, wr.grad / scale
+
+    (gx, gw), (ref_x, ref_w) = grads(torch.float16, 1024.0), grads(torch.float32, 1.0)
+    untargeted = torch.ones(50304, dtype=torch.bool)
+    untargeted[targets] = False
+    assert (gw[untargeted] - ref_w[untargeted]).norm() <= 1e-2 * ref_w[untargeted].norm()
+    assert (gx - ref_x).norm() <= 1e-2 * ref_x.norm() and (gw - ref_w).norm() <= 1e-2 * ref_w.norm()
+    # a small vocab, every target the same token, inputs of one sign: a chunk's weight grad sums its rows; 1024 rows
+    # x 100 would pass fp16's 65504, 256 rows a chunk do not
+    x2, w2, t2 = torch.full((4096, 8), 100.0), 0.02 * torch.randn(64, 8), torch.zeros(4096, dtype=torch.long)
+    with torch.autocast('cpu', dtype=torch.float16):
+        _, _, _, sums = model.chunked_cross_entropy(x2, w2, t2, model.loss_chunk_rows(64), grads=True)
+    assert sums.isfinite().all() and sums[0, 0] < -300000
