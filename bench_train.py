@@ -27,9 +27,9 @@ import tempfile
 import torch
 
 import train
+from bench_zero import QUARTILES, paired_ratio
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-QUARTILES = torch.tensor([0.25, 0.5, 0.75], device='cpu')
 
 
 def variants(vary):
@@ -102,7 +102,7 @@ def bench_train(args):
                 iters, device, peak = parse_log(log, args.warm)
                 if not iters:
                     raise RuntimeError(f"train.py {' '.join(combos[i])}: no iteration after --warm={args.warm}:\n{log[-2000:]}")
-                runs[i].append((torch.tensor([it[:2] for it in iters], dtype=torch.float64, device='cpu'),
+                runs[i].append((torch.tensor([it[:2] for it in iters], device='cpu'),  # fp32, as QUARTILES
                                 [it[2] for it in iters], peak if cuda else rss))
                 print(f"run {r + 1}/{args.runs}: {' '.join(combos[i]) or 'the config'} done", file=sys.stderr, flush=True)
     report(args, combos, runs, device, nproc, cuda)
@@ -117,20 +117,19 @@ def report(args, combos, runs, device, nproc, cuda):
     memory = 'max_memory_allocated GiB' if cuda else 'peak RSS GiB (largest process)'
     print(f"| variant | tok/s: median (p25-p75) | step ms | vs first | mfu | {memory} | vs first |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    median_tok = {i: [r[0][:, 0].median().item() for r in runs[i]] for i in runs}  # per run
+    median_tok = {i: torch.stack([r[0][:, 0].median() for r in runs[i]]) for i in runs}  # (runs,) each
 
-    def vs_first(values, base):
-        ratios = torch.tensor([a / b for a, b in zip(values, base)], dtype=torch.float64, device='cpu')
-        low, mid, high = ratios.quantile(QUARTILES.double()).tolist()
-        return f"{mid:.2f}x" + (f" ({low:.2f}-{high:.2f})" if len(values) > 1 else '')
+    def vs_first(i):
+        low, mid, high = paired_ratio(median_tok[i], median_tok[0])
+        return f"{mid:.2f}x" + (f" ({low:.2f}-{high:.2f})" if args.runs > 1 else '')
 
     for i, variant in enumerate(combos):
         every = torch.cat([r[0] for r in runs[i]])  # (iterations, 2): tok/s, ms
-        low, mid, high = every[:, 0].quantile(QUARTILES.double()).tolist()
+        low, mid, high = every[:, 0].quantile(QUARTILES).tolist()
         mfus = [x for r in runs[i] for x in r[1] if x is not None]
         peaks = [r[2] for r in runs[i]]
         print(f"| {' '.join(v[2:] for v in variant) or 'the config'} | {mid:,.0f} ({low:,.0f}-{high:,.0f}) "
-              f"| {every[:, 1].median().item():.1f} | {vs_first(median_tok[i], median_tok[0])} "
+              f"| {every[:, 1].median().item():.1f} | {vs_first(i)} "
               f"| {f'{sorted(mfus)[len(mfus) // 2]:.1f}%' if mfus else '–'} "
               f"| {max(peaks):.3f} | {max(peaks) / max(r[2] for r in runs[0]):.3f}x |")
 
