@@ -672,6 +672,7 @@ HOST_CUDA_PRELUDE = r"""
 #include <functional>
 #include <vector>
 #define __global__ static
+#define __launch_bounds__(...)
 #define __device__
 #define __host__
 #define __forceinline__ inline
@@ -817,6 +818,26 @@ def test_cuda_library_builds_for_sm90_with_nvcc_alone(monkeypatch, tmp_path):
     if os.path.exists(cudart):  # then it loads, and its struct has Python's layout
         ctypes.CDLL(cudart, mode=ctypes.RTLD_GLOBAL)
         assert kernels.Library(path).lib.adamw_args_size() == ctypes.sizeof(kernels.AdamWArgs)
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
+                    reason="no nvcc: cannot compile the CUDA source")
+def test_the_8bit_cuda_kernel_fits_3_blocks_an_sm_without_spills(monkeypatch, tmp_path):
+    # [Note: registers for occupancy] (csrc/adamw.cu): ptxas's own count for sm_90, every instance of the 8-bit kernel
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    (tmp_path / "adamw.cu").write_text(kernels.CUDA_SOURCE)
+    command = [*kernels._command("cuda"), "-Xptxas", "-v", "-cubin", "-o", str(tmp_path / "adamw.cubin"), "adamw.cu"]
+    out = subprocess.run([c for c in command if c not in ("-shared", "-Xcompiler", "-fPIC", "-cudart", "shared")], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # ptxas: "Compiling entry function '<name>' for 'sm_90'", then "... N bytes spill stores ..." and "Used N registers"
+    entries = re.split(r"Compiling entry function '", out.stderr)[1:]
+    block = [e for e in entries if e.startswith("_Z18adamw_block_kernel")]
+    assert len(block) == 14, len(block)  # 2 grad types x 7 weight policies
+    for e in block:
+        registers = int(re.search(r"Used (\d+) registers", e).group(1))
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", e)]
+        assert registers <= 65536 // (3 * 256) and spills == [0, 0], (e.split("'")[0], registers, spills)
+
 
 # ----------------------------------------------------------------------------
 # building: once per process, cached on disk, and a failed build falls back to the reference
