@@ -160,21 +160,17 @@ def prune(out_dir, keep_last):
         shutil.rmtree(old, ignore_errors=True)
 
 
-def scaler_state(engine):
-    if engine.stage == 0:
-        return {'scale': engine.scaler.get_scale(), 'clean_steps': engine.scaler.state_dict().get('_growth_tracker', 0)}
-    return {'scale': engine.scaler.scale, 'clean_steps': engine.scaler.clean_steps}
+def scaler_state(engine):  # torch's GradScaler (stage 0) or zero.LossScaler: the same names; a disabled one has {}
+    return {'scale': engine.scaler.get_scale(), 'clean_steps': engine.scaler.state_dict().get('_growth_tracker', 0)}
 
 
 def load_loss_scale(engine, manifest):
     """scaler_state's inverse, from an fp16 run into an fp16 run only: a bf16 run resumed from fp16 would divide its
     grads by the saved 65536 for good (its scaler is off), an fp16 run resumed from bf16 would start at scale 1."""
     if manifest['param_dtype'] == 'float16' and engine.cfg.param_dtype == torch.float16:
-        scale, clean = manifest['loss_scale']['scale'], manifest['loss_scale']['clean_steps']
-        if engine.stage == 0:
-            engine.scaler.load_state_dict({**engine.scaler.state_dict(), 'scale': scale, '_growth_tracker': clean})
-        else:
-            engine.scaler.scale, engine.scaler.clean_steps = scale, clean
+        saved = manifest['loss_scale']  # GradScaler's state holds its factors too: they stay
+        engine.scaler.load_state_dict({**engine.scaler.state_dict(), 'scale': saved['scale'],
+                                       '_growth_tracker': saved['clean_steps']})
 
 
 def fault_point(where, iteration):

@@ -489,11 +489,10 @@ def announce_build(impl, device, log):
     """Say so before a first run builds the library (every rank builds or loads it before its first collective)."""
     kind = device.type if impl == "auto" else impl
     try:
-        path = cache_path(kind) if kind in ("cpu", "cuda") else None
+        if kind in ("cpu", "cuda") and not cache_path(kind).exists():
+            log(f"building the fused AdamW kernel for {kind} (first run only, a few seconds; cached in {cache_path(kind)})")
     except RuntimeError:
-        return  # it cannot be built here: resolve_impl says why
-    if path is not None and not path.exists():
-        log(f"building the fused AdamW kernel for {kind} (first run only, a few seconds; cached in {path})")
+        pass  # it cannot be built here: resolve_impl says why
 
 
 def compile_library(source, command, path):

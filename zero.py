@@ -201,8 +201,14 @@ class LossScaler:
     def __init__(self, enabled, scale=2.0**16, growth_interval=2000):
         self.enabled, self.scale, self.growth_interval, self.clean_steps = enabled, scale if enabled else 1.0, growth_interval, 0
 
-    def get_scale(self):  # the name torch's GradScaler uses (stage 0), so train.py logs either the same way
+    def get_scale(self):  # torch's GradScaler's names (stage 0), so train.py logs and checkpoint.py saves either alike
         return self.scale
+
+    def state_dict(self):
+        return {'scale': self.scale, '_growth_tracker': self.clean_steps}
+
+    def load_state_dict(self, state):
+        self.scale, self.clean_steps = state['scale'], state['_growth_tracker']
 
     def update(self, finite):
         if self.enabled:
