@@ -654,6 +654,9 @@ def adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, *, lr, beta1
     tensors = dict(master=master, param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
                    exp_avg_absmax=exp_avg_absmax, exp_avg_sq_absmax=exp_avg_sq_absmax, found_inf=found_inf)
     _check(tensors, decay_numel, rounding_seed)
+    if not (0 <= beta1 < 1 and 0 <= beta2 < 1 and step >= 1):  # the CUDA 8-bit kernel relies on it: adamw_common.h
+        raise ValueError(f"adamw_step: needs 0 <= beta1, beta2 < 1 and a 1-based step (as torch's AdamW), got "
+                         f"beta1={beta1}, beta2={beta2}, step={step}")
     hp = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, decay_numel=decay_numel, step=step,
               grad_scale=grad_scale, rounding_seed=rounding_seed, index_offset=index_offset)
     impl = resolve_impl(impl, grad.device)

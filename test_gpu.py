@@ -500,6 +500,16 @@ def test_cuda_8bit_path_in_unaligned_views_equals_the_cpu_kernel():
 
 
 @cuda_only
+def test_the_cuda_8bit_codes_at_every_scale_and_beside_every_midpoint_equal_the_references():
+    # [Note: dividing by the reciprocal, exactly] on the GPU's own fma, reciprocal and divide (the host-emulated
+    # library runs the same source on the host's): blocks of absmax 2^-75 to 2^70 and inf (both paths of the kernel),
+    # every 1021st fp32 in [-1, 1] and 8 ulps either side of each midpoint, and the midpoints' ties
+    test_kernels.test_blocks_of_any_scale_get_the_references_codes("cuda")
+    test_kernels.test_a_dense_sweep_of_scaled_moments_gets_the_references_codes("cuda")
+    test_kernels.test_values_at_and_beside_every_midpoint_get_the_nearest_code_and_ties_the_lower("cuda")
+
+
+@cuda_only
 def test_the_8bit_tables_follow_the_kernels_device_not_the_default_device():
     # test_kernels.py checks this under 'meta' on the CPU; here under a CUDA default device, as a user's
     # torch.set_default_device('cuda') sets it: the CPU kernel's first 8-bit step equals a plain one, its tables on

@@ -373,6 +373,82 @@ def test_a_dense_sweep_of_scaled_moments_gets_the_references_codes(impl):
 
 
 @pytest.mark.parametrize("impl", KERNELS)
+def test_blocks_of_any_scale_get_the_references_codes(impl):
+    # The CUDA 8-bit kernel divides by a block's scale through its reciprocal where the scale is in [2^-64, 2^64], and
+    # by the divide outside ([Note: dividing by the reciprocal, exactly]); the sweep above has scale 1, where both are
+    # trivial. Here each block leads with its own absmax, 2^-75 to 2^70 with a random mantissa, so exp_avg's (= grad / 2)
+    # blocks take both paths and exp_avg_sq's (= grad^2) reach 2^-148 and inf; the rest are random values and the
+    # midpoints, times the scale, so that their quotients fall within an ulp or two of the midpoints.
+    device = device_of(impl)
+    gen = torch.Generator().manual_seed(5)
+    blocks = 480
+    lead = torch.rand(blocks, generator=gen).add(1) * 2.0 ** torch.randint(-75, 70, (blocks,), generator=gen)
+    random = (torch.rand(blocks, 127, generator=gen) * 2 - 1) ** 5
+    midpoints = kernels._midpoints(kernels.SIGNED_MAP)[torch.randint(0, 255, (blocks, 128), generator=gen)]
+    values = torch.cat([random, midpoints], dim=1) * lead[:, None]
+    grad = 2 * torch.cat([lead[:, None], values.clamp(-lead[:, None], lead[:, None])], dim=1).view(-1)
+    out = {}
+    for name in (impl, "reference"):
+        d = device if name == impl else torch.device("cpu")
+        exp_avg, exp_avg_sq = (torch.zeros(len(grad), dtype=torch.uint8, device=d) for _ in range(2))
+        absmax = (torch.zeros(blocks, device=d), torch.zeros(blocks, device=d))
+        adamw(name, torch.zeros(len(grad), device=d), grad.to(d), exp_avg, exp_avg_sq, None, torch.zeros(1, device=d),
+              lr=1e-3, beta1=0.5, beta2=0.0, eps=1e-8, weight_decay=0.0, decay_numel=0, step=1, absmax=absmax)
+        out[name] = (exp_avg.cpu(), exp_avg_sq.cpu(), *(a.cpu() for a in absmax))
+    scale_m, scale_v = out["reference"][2], out["reference"][3]
+    assert (scale_m < 2.0**-64).any() and (scale_m > 2.0**64).any() and ((2.0**-64 <= scale_m) & (scale_m <= 2.0**64)).any()
+    assert scale_v.isinf().any() and (scale_v < 2.0**-140).any()
+    for ours, theirs in zip(out[impl], out["reference"]):
+        assert same_bits(ours, theirs)
+
+
+DIVIDE_CHECK = r"""
+#include <initializer_list>
+// every x of a sample, both signs, against x / d: the bits where |x / d| >= 2^-24, else below 2^-23 (the 8-bit code of
+// 0); returns the mismatches
+extern "C" long check(const float* x, long n, const float* ds, long nd) {
+  long bad = 0;
+  for (long j = 0; j < nd; ++j) {
+    const float d = ds[j], r = 1.0f / d;
+    for (long i = 0; i < n; ++i) {
+      for (float y : {x[i], -x[i]}) {
+        const float want = y / d, got = divide_by_reciprocal(y, d, r);
+        const bool small = fabsf(want) < 0x1p-24f;
+        bad += small ? !(fabsf(got) < 0x1p-23f) : bits_of(got) != bits_of(want) && !(want != want && got != got);
+      }
+    }
+  }
+  return bad;
+}
+"""
+
+
+def test_dividing_by_the_reciprocal_equals_the_divide():
+    # [Note: dividing by the reciprocal, exactly], compiled for the host as in the emulated CUDA library: divisors over
+    # the whole domain [2^-64, 2^64] (random mantissas, and the ends, 1 and 1 - ulp, where r = 1 / d rounds hardest),
+    # each against a million x: random fp32 within 2^24 of d and below, every 61st fp32 in [0, d] (in units of d),
+    # and inf, NaN, 0 and the smallest subnormal.
+    source = (kernels.CSRC / "adamw_common.h").read_text() + DIVIDE_CHECK
+    command = [kernels._compiler("cpu")[0], "-O2", "-march=native", "-ffp-contract=off", "-fno-math-errno",
+               "-std=c++17", "-shared", "-fPIC"]
+    path = kernels.cache_path("cpu").parent / f"divide_check_{hashlib.sha256(source.encode()).hexdigest()[:16]}.so"
+    kernels.compile_library(source, command, path)
+    check = ctypes.CDLL(str(path)).check
+    check.restype = ctypes.c_long
+    gen = torch.Generator().manual_seed(7)
+    ds = torch.rand(40, generator=gen).add(1) * 2.0 ** torch.randint(-64, 64, (40,), generator=gen)
+    ds = torch.cat([ds, torch.tensor([2.0**-64, 2.0**64, 1.0, 1 - 2**-24, 1 + 2**-23, 1.5 * 2.0**-64, 2.0**64 * (1 - 2**-24)])])
+    for d in ds.tolist():
+        quotients = torch.cat([2.0 ** torch.empty(500_000).uniform_(-26, 24, generator=gen),  # |x / d| in [2^-26, 2^24)
+                               kernels._from_unsigned(torch.arange(0, 0x3F800001, 61 * 1024), torch.float32)])
+        x = torch.cat([(quotients * d).nextafter(torch.tensor(0.0)), quotients * d,
+                       torch.tensor([float("inf"), float("nan"), 0.0, 1e-45])])
+        x = x[~(x.abs() > 2.0**64 * d)]  # NaN stays
+        assert check(x.numpy().ctypes.data_as(ctypes.c_void_p), len(x), torch.tensor([d]).numpy().ctypes.data_as(
+            ctypes.c_void_p), 1) == 0, d
+
+
+@pytest.mark.parametrize("impl", KERNELS)
 def test_a_nan_moment_is_left_out_of_its_blocks_absmax_and_codes_as_255(impl):
     # As the reference: the block's absmax is over its other values, and the NaN's code is the last (searchsorted).
     ref = Shard(512, "remainder", "uint8")
@@ -957,6 +1033,10 @@ def test_kernel_rejects_bad_shapes_dtypes_and_arguments():
         call(rounding_seed=3)
     with pytest.raises(ValueError, match="absmax is only for uint8"):
         call(absmax=(torch.zeros(2), torch.zeros(2)))
+    for bad in (dict(beta2=1.0), dict(beta1=-0.1), dict(beta2=float("nan")), dict(step=0)):
+        with pytest.raises(ValueError, match="needs 0 <= beta1, beta2 < 1 and a 1-based step"):
+            kernels.adamw_step(shard.master, torch.ones(512), shard.exp_avg, shard.exp_avg_sq, shard.param,
+                               torch.zeros(1), decay_numel=5, **{**kw, **bad})
     uint8 = Shard(512, "fp32+bf16param", "uint8")
     with pytest.raises(ValueError, match="uint8 state needs n a multiple of 256"):
         kernels.adamw_step(uint8.master[:500], torch.ones(500), uint8.exp_avg[:500], uint8.exp_avg_sq[:500],

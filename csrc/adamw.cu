@@ -76,6 +76,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
   for (int t = threadIdx.x; t < 512; t += blockDim.x) maps[t] = a.tables[t];
   __syncthreads();
   const int lane = threadIdx.x % 32;
+  const float bc2_reciprocal = 1.0f / a.bias_correction2_sqrt;
   bool bad = false;
   for (int round = 0; round < kRounds; ++round) {  // `active` is the same for the 32 lanes of a warp: whole-warp shuffles
     const int64_t block = ((int64_t)blockIdx.x * kRounds + round) * kWarps + threadIdx.x / 32;
@@ -90,11 +91,12 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
       if constexpr (W::reads_param) load8(a.param, i, vec, param);
       const float old_absmax_m = a.exp_avg_absmax[block], old_absmax_v = a.exp_avg_sq_absmax[block];
       for (int k = 0; k < 8; ++k) {
-        m[k] = dequantize(codes_m[k], old_absmax_m, maps + SIGNED_MAP);
-        v[k] = dequantize(codes_v[k], old_absmax_v, maps + UNSIGNED_MAP);
+        m[k] = maps[SIGNED_MAP + codes_m[k]] * old_absmax_m;  // = dequantize(), without the CPU's signed indexing
+        v[k] = maps[UNSIGNED_MAP + codes_v[k]] * old_absmax_v;
         const float decay = i + k * step < a.decay_numel ? a.decay : 1.0f;
-        bad |= adamw_element<W>(a, i + k * step, decay, to_float(grad[k]), m[k], v[k], master[k], param[k]);
-        absmax_m = fmaxf(absmax_m, magnitude(m[k])); absmax_v = fmaxf(absmax_v, magnitude(v[k]));
+        bad |= adamw_element<W, true>(a, i + k * step, decay, to_float(grad[k]), m[k], v[k], master[k], param[k],
+                                      bc2_reciprocal);
+        absmax_m = fmaxf(absmax_m, fabsf(m[k])); absmax_v = fmaxf(absmax_v, fabsf(v[k]));  // fmaxf drops a NaN
       }
       store8(a.master, i, vec, master); store8(a.param, i, vec, param);
     }
@@ -105,9 +107,17 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
     if (active) {
       uint8_t codes_m[8], codes_v[8];
       const float scale_m = code_scale(absmax_m), scale_v = code_scale(absmax_v);
-      for (int k = 0; k < 8; ++k) {
-        codes_m[k] = quantize(m[k], scale_m, a.buckets + SIGNED_BUCKETS);
-        codes_v[k] = quantize(v[k], scale_v, a.buckets + UNSIGNED_BUCKETS);
+      if (reciprocal_divides_exactly(scale_m) && reciprocal_divides_exactly(scale_v)) {  // the same for the warp
+        const float r_m = 1.0f / scale_m, r_v = 1.0f / scale_v;
+        for (int k = 0; k < 8; ++k) {
+          codes_m[k] = code_of(divide_by_reciprocal(m[k], scale_m, r_m), a.buckets + SIGNED_BUCKETS);
+          codes_v[k] = code_of(divide_by_reciprocal(v[k], scale_v, r_v), a.buckets + UNSIGNED_BUCKETS);
+        }
+      } else {  // an absmax past 2^64 (or an inf moment) or below 2^-64
+        for (int k = 0; k < 8; ++k) {
+          codes_m[k] = quantize(m[k], scale_m, a.buckets + SIGNED_BUCKETS);
+          codes_v[k] = quantize(v[k], scale_v, a.buckets + UNSIGNED_BUCKETS);
+        }
       }
       store8(a.exp_avg, i, vec, codes_m); store8(a.exp_avg_sq, i, vec, codes_v);
       if (lane == 0) { a.exp_avg_absmax[block] = absmax_m; a.exp_avg_sq_absmax[block] = absmax_v; }
