@@ -6,6 +6,7 @@ Benchmarks, one mode per idea:
     python bench.py kernels --sizes 1M,16M --device cpu
     python bench.py kernels --grad_dtype bfloat16          # grads reduced in bf16 (reduce_dtype='bfloat16')
     python bench.py kernels --modes --sizes 16M            # each storage-precision mode against the fp32 master
+    python bench.py kernels --modes --against HEAD~3       # ... and each against the kernel of another commit
     OMP_NUM_THREADS=1 python bench.py kernels --device cpu # steadier numbers on a shared machine
     torchrun --standalone --nproc_per_node=2 bench.py zero # a training step: ZeRO-1/2/3 vs DDP, ZeRO optimizer, FSDP2
     python bench.py scale --world 64                       # rank 0 of 64 ranks, alone: model states, peaks
@@ -22,7 +23,10 @@ a read of each destination line before writing it, so there "of copy" can exceed
 
 kernels --modes: for each n, the time of each storage-precision mode of kernels.adamw_step (kernels.py's docstring)
 as a ratio to the fp32-master step on the same n, with the bytes per element each one must move, and the fraction
-of the copy bandwidth those bytes reach (goal on GPU: >= 0.85 for every mode, 8-bit ones included).
+of the copy bandwidth those bytes reach (goal on GPU: >= 0.85 for every mode, 8-bit ones included). With --against
+REV, each mode also runs in the library built from csrc/ as it was at git revision REV (today's compiler and flags),
+the two taking turns on the same buffers: "vs REV" is this tree's time over that one's (a change to a kernel, timed
+against its baseline in one run, on one machine).
 
 zero: see bench_zero.py (step time ratios, bytes per rank, exposed communication).
 scale: see bench_scale.py (estimated vs measured model states, peak memory, at any world size on one machine).
@@ -31,6 +35,8 @@ train: see bench_train.py (train.py jobs of each variant in turn: tokens/s, step
 """
 import argparse
 import functools
+import os
+import subprocess
 import time
 
 import torch
@@ -47,13 +53,15 @@ import kernels
 
 def time_ms(fns, device, repeats=10, warmup=3):
     """Median wall time in ms of each fn in the dict fns: CUDA events on GPU, perf_counter on CPU. The fns take
-    turns, so a machine that slows down for a while (shared CPUs) slows all of them alike."""
+    turns, so a machine that slows down for a while (shared CPUs) slows all of them alike, in an order reversed every
+    other round: a fn that reads the buffers its neighbour just wrote finds them in cache (1M elements, 30 MB: a CPU's
+    L3, a GPU's L2), and would be the faster for its place alone."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    for round in range(repeats):
+        for name, fn in list(fns.items())[::1 if round % 2 == 0 else -1]:
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -89,7 +97,7 @@ def bench_kernels(args):
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else \
         [2**20 * k for k in ((1, 4, 16, 64, 256) if device.type == "cuda" else (1, 4, 16, 64))]
     if args.modes:
-        return bench_modes(device, sizes, getattr(torch, args.grad_dtype))
+        return bench_modes(device, sizes, getattr(torch, args.grad_dtype), args.against)
     impl = kernels.resolve_impl("auto", device)
     hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     copy_gbs = copy_bandwidth(device, max(sizes + [2**26]))  # >= 256 MB each way: bigger than any cache
@@ -161,14 +169,44 @@ def bytes_moved(master, param, state, grad):
     return 2 * nbytes(master) + (1 + reads_param) * nbytes(param) + nbytes(grad) + 4 * state_bytes
 
 
-def bench_modes(device, sizes, grad_dtype):
+def library_at(rev, impl):
+    """kernels' library for impl ('cpu' / 'cuda') built from csrc/ at git revision rev, or from the folder rev (a
+    machine without the repository's history: `git archive REV csrc | tar x -C some/folder`, then some/folder/csrc)."""
+    def show(name):
+        if os.path.isdir(rev):
+            with open(os.path.join(rev, name)) as f:
+                return f.read()
+        done = subprocess.run(["git", "show", f"{rev}:csrc/{name}"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)))
+        if done.returncode:
+            raise SystemExit(f"--against {rev}: git cannot show csrc/{name} there: {done.stderr.strip()}")
+        return done.stdout
+    source = show("adamw_cpu.cpp" if impl == "cpu" else "adamw.cu")
+    return kernels._build(impl, source.replace('#include "adamw_common.h"', show("adamw_common.h")))
+
+
+def with_library(impl, library, fn):
+    """fn() with kernels.adamw_step(impl=impl) running library."""
+    ours, kernels._LIBRARIES[impl] = kernels._LIBRARIES[impl], library
+    try:
+        fn()
+    finally:
+        kernels._LIBRARIES[impl] = ours
+
+
+def bench_modes(device, sizes, grad_dtype, against=None):
     impl = kernels.resolve_impl("auto", device)
+    if against and impl == "reference":
+        raise SystemExit(f"--against needs the {device.type} kernel, and it does not build here (see the warning)")
+    baseline = library_at(against, impl) if against else None
     copy_gbs = copy_bandwidth(device, max(sizes + [2**26]))  # >= 256 MB each way: bigger than any cache
     print(f"device {device}" + (f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else
           f" ({torch.cuda.get_device_name(device)})"), f"| impl {impl} | grads {grad_dtype}",
           f"| copy bandwidth {copy_gbs:.1f} GB/s")
-    print("ratio: time / the first row's time on the same n; of copy: the mode's bytes / time, over the copy bandwidth")
-    print(f"{'n':>11} {'mode':<31} {'B/elem':>7} {'ms':>8} {'ratio':>6} {'of copy':>8}")
+    print("ratio: time / the first row's time on the same n; of copy: the mode's bytes / time, over the copy bandwidth"
+          + (f"; vs {against}: time / the time of the kernel at {against}" if against else ""))
+    print(f"{'n':>11} {'mode':<31} {'B/elem':>7} {'ms':>8} {'ratio':>6} {'of copy':>8}"
+          + (f" {against + ' ms':>12} {'vs ' + against:>12}" if against else ""))
     hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     for n in sizes:
         n = n // 256 * 256  # int8 state works in blocks of 256
@@ -183,12 +221,15 @@ def bench_modes(device, sizes, grad_dtype):
             fns[name] = functools.partial(kernels.adamw_step, master, grad, *state, param, torch.zeros(1, device=device),
                                           decay_numel=n * 3 // 4, step=10, absmax=absmax, impl=impl,
                                           rounding_seed=1234 if stochastic else None, **hp)
+            if baseline:
+                fns[name, against] = functools.partial(with_library, impl, baseline, fns[name])
         ms = time_ms(fns, device, repeats=max(10, min(100, 2**26 // n)))
         for name, master_dtype, param_dtype, state_dtype, _ in PRECISION_MODES:
             moved = bytes_moved(master_dtype, param_dtype, state_dtype, grad_dtype)
             of_copy = moved * n / ms[name] / 1e6 / copy_gbs
             print(f"{n:>11,} {name:<31} {moved:>7.2f} {ms[name]:>8.2f} {ms[name] / ms[PRECISION_MODES[0][0]]:>6.2f} "
-                  f"{of_copy:>8.2f}")
+                  f"{of_copy:>8.2f}" + (f" {ms[name, against]:>12.2f} {ms[name] / ms[name, against]:>12.2f}"
+                                        if baseline else ""))
         del fns
 
 # ----------------------------------------------------------------------------
@@ -205,6 +246,9 @@ if __name__ == "__main__":
                         help="kernels: the grad shard's dtype (torch's AdamW then also pays the cast to fp32)")
     parser.add_argument("--modes", action="store_true",
                         help="kernels: time every storage-precision mode against the fp32-master step instead")
+    parser.add_argument("--against", default=None, metavar="REV",
+                        help="kernels --modes: also time the kernel built from csrc/ at git revision REV (or from the "
+                             "folder REV), in turns")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
                         help="kernels: where to run (zero takes its device from the config: --set device=cuda)")
     bench_zero.add_arguments(parser)

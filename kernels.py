@@ -472,11 +472,12 @@ def _command(impl):
     return [compiler, *CUDA_FLAGS, *_cuda_arch_flags(), *SHARED_FLAGS["cuda"]]
 
 
-def cache_path(impl):
+def cache_path(impl, source=None):
     """Where the library for impl ('cpu' or 'cuda') is cached: ~/.cache/nanozero/ or $NANOZERO_CACHE. If it does not
     exist yet, the first adamw_step builds it (seconds: [Note: plain shared libraries]), so a caller can say so first.
-    RuntimeError with the reason if impl cannot be built here (no compiler; for 'cuda' no GPU and no arch list)."""
-    source = CPU_SOURCE if impl == "cpu" else CUDA_SOURCE
+    RuntimeError with the reason if impl cannot be built here (no compiler; for 'cuda' no GPU and no arch list).
+    source: another text than csrc/'s (bench.py kernels --against)."""
+    source = source or (CPU_SOURCE if impl == "cpu" else CUDA_SOURCE)
     # the CPU: every ISA macro -march=native enables here (two CPUs of one AVX-512 level can still differ)
     isa = _run(_compiler("cpu")[0], "-march=native", "-dM", "-E", "-x", "c++", "/dev/null") if impl == "cpu" else ""
     key = "\0".join([source, *_command(impl), _compiler(impl)[1], isa])
@@ -537,12 +538,12 @@ class Library:
 _LIBRARIES = {}  # 'cpu' / 'cuda' -> the loaded Library, or the RuntimeError its build raised
 
 
-def _build(impl):
+def _build(impl, source=None):
     """Build (or find in the cache) and load one library; RuntimeError with a one-line reason.
     Building the CUDA one needs nvcc, not a GPU (set TORCH_CUDA_ARCH_LIST, e.g. "9.0")."""
     try:
-        path = cache_path(impl)
-        compile_library(CPU_SOURCE if impl == "cpu" else CUDA_SOURCE, _command(impl), path)
+        path = cache_path(impl, source)
+        compile_library(source or (CPU_SOURCE if impl == "cpu" else CUDA_SOURCE), _command(impl), path)
         return Library(path)
     except (RuntimeError, OSError) as e:
         raise RuntimeError(f"{impl} build failed: {e}") from e

@@ -1101,10 +1101,10 @@ def test_the_references_code_maps_are_copied_to_a_device_once():
     assert torch.equal(kernels._maps_on(torch.device("cpu"), True)[0], kernels.SIGNED_MAP)
 
 
-def bench_modes_rows(device, size, label, timeout):
+def bench_modes_rows(device, size, label, timeout, *more):
     """`bench.py kernels --modes` run on one size: its table rows, checked to be one per mode, in order."""
     import bench
-    out = subprocess.run([sys.executable, "bench.py", "kernels", "--device", device, "--sizes", size, "--modes"],
+    out = subprocess.run([sys.executable, "bench.py", "kernels", "--device", device, "--sizes", size, "--modes", *more],
                          capture_output=True, text=True, timeout=timeout, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.strip().startswith(label)]
@@ -1117,3 +1117,26 @@ def test_bench_kernels_modes_prints_a_row_per_mode():
     assert float(rows[0].split()[-2]) == 1.0  # ratio: the first mode against itself
     of_copy = [float(row.split()[-1]) for row in rows]  # the fraction of the copy bandwidth of each mode's bytes
     assert all(0.0 < f < 100.0 for f in of_copy), of_copy
+
+
+def test_bench_kernels_modes_against_a_commit_runs_that_commits_kernel_in_turns():
+    # --against REV: csrc/ at REV, built and loaded beside today's library; each mode's "vs REV" column. HEAD's csrc/
+    # is today's in a clean clone (the same cached library); the swap is checked in process: the library at REV
+    # runs inside with_library, and today's is back after it, an exception or not.
+    import bench
+    rows = bench_modes_rows("cpu", "4K", "4,096", 300, "--against", "HEAD")
+    assert all(0.0 < float(row.split()[-1]) < 100.0 for row in rows)  # vs HEAD: a time ratio
+    ours, theirs = kernels._LIBRARIES[kernels.resolve_impl("cpu")], bench.library_at("HEAD", "cpu")
+    seen = []
+    bench.with_library("cpu", theirs, lambda: seen.append(kernels._LIBRARIES["cpu"]))
+    with pytest.raises(ZeroDivisionError):
+        bench.with_library("cpu", theirs, lambda: 1 / 0)
+    assert seen == [theirs] and kernels._LIBRARIES["cpu"] is ours
+    a, b = Shard(512, "fp32+bf16param", "uint8"), Shard(512, "fp32+bf16param", "uint8")
+    grad = spiky_grad(512, torch.Generator().manual_seed(3))
+    a.step("cpu", grad, weight_decay=0.1, decay_numel=300, step=1)
+    bench.with_library("cpu", theirs, lambda: b.step("cpu", grad, weight_decay=0.1, decay_numel=300, step=1))
+    assert all(same_bits(x, y) for x, y in zip(a.tensors(), b.tensors()))
+    with pytest.raises(SystemExit, match="--against no-such-rev: git cannot show csrc/"):
+        bench.library_at("no-such-rev", "cpu")
+    assert bench.library_at(str(kernels.CSRC), "cpu").lib._name == str(kernels.cache_path("cpu"))  # a folder: csrc/
