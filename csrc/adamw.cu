@@ -42,9 +42,11 @@ __global__ void adamw_kernel(const AdamWArgs a, int64_t begin, int64_t end) {
 // quantization blocks in turn, so that the maps are loaded into shared memory once per 8192 elements.
 // [Note: registers for occupancy] Left alone, nvcc gives this kernel 80-102 registers a thread: 2 CUDA blocks (16
 // warps) an SM, too few to hide the loads' latency behind a warp's long update and the buckets' gathers. Asking for
-// 3 blocks an SM (__launch_bounds__) gets 63-70 registers and no spills (ptxas -v, sm_90, every instance; test
-// test_the_8bit_cuda_kernel_fits_3_blocks_an_sm_without_spills): 3-4 blocks, 24-32 warps. 4 asked for spills.
-// Not yet timed on a GPU.
+// 3 blocks an SM (__launch_bounds__) gets 72-79 registers and no spills (ptxas -v, sm_90, every instance; test
+// test_the_8bit_cuda_kernel_fits_3_blocks_an_sm_without_spills): 24 warps. 4 asked for spills. The divides by a
+// block's scale and by bias_correction2_sqrt go through their reciprocals ([Note: dividing by the reciprocal,
+// exactly]): a GPU divide branches to a slow path, and the branches kept nvcc from overlapping one element's chain
+// with the next and each bucket gather with the previous one. Neither change is timed on a GPU yet.
 constexpr int kWarps = 8, kRounds = 4, kBlocksPerSM = 3;
 
 template <class T> __device__ __forceinline__ void load8(const void* p, int64_t i, bool vec, T (&x)[8]) {
