@@ -103,6 +103,16 @@ def resume_chain():
     return first, second, consolidated, sampled
 
 
+def stage0_resume():
+    """Stage 0 (torch's DDP and fused AdamW) in fp16 (torch's GradScaler) saves, and resumes at stage 0: checkpoint.py
+    feeds the saved optimizer state, its step counts on the CPU, to the fused AdamW on the GPU, and the loss scale
+    to the GradScaler. (The resume chain above is stage 3 -> 2: it rebuilds shards and never takes this path.)"""
+    common = [*TINY, '--zero_stage=0', '--always_save_checkpoint=True', '--eval_interval=3',
+              *(['--dtype=float16'] if GPU else [])]
+    return (train('save0', *common, '--max_iters=3'),
+            train('save0', *common, '--max_iters=6', '--init_from=resume'))
+
+
 def jobs():
     """name -> a function returning what the test of that name asserts on."""
     out = {f'config {c}': functools.partial(train, f'config-{c[:-3]}', *SMALLER, config=f'config/{c}', schedule=WARMUP)
@@ -116,6 +126,7 @@ def jobs():
                 for i, (k, (s, args)) in enumerate(PRECISION.items())})
     out['profile'] = functools.partial(train, 'profile', *TINY, '--zero_stage=3', '--profile=True')
     out['resume chain'] = resume_chain
+    out['stage 0 resume'] = stage0_resume
     bench_set = [f'--set={kv}' for kv in ('n_layer=2', 'n_head=2', 'n_embd=64', 'block_size=64', 'batch_size=2')]
     out['bench zero'] = functools.partial(run, 'bench zero', 'zero', '--rounds=1', *bench_set, *(
         ['--set=device=cuda', '--set=dtype=bfloat16'] if GPU else []), script='bench.py', torchrun=True)
@@ -231,6 +242,16 @@ def test_a_stage_3_checkpoint_resumes_at_stage_2_consolidates_and_samples():
     assert 'iteration 6' in consolidated[1] and os.path.getsize(f'{OUT}/save/model.pt') > 0
     header, text = sampled[1].split('\n', 1)
     assert 'zero_stage=2 on 1 rank(s)' in header and text.startswith('ROMEO:') and len(text) > 40
+
+def test_a_stage_0_fp16_checkpoint_resumes_at_stage_0():
+    first, second = results()['stage 0 resume']
+    for code, log in (first, second):
+        assert code == 0, log[-4000:]
+    assert 'saving checkpoint' in first[1] and re.search(r'resuming from \S+ckpt-00000003', second[1])
+    resumed = losses(second[1])
+    assert len(resumed) == 3 and all(math.isfinite(x) for x in resumed) and 'iter 1:' not in second[1]
+    if GPU:
+        assert len(re.findall(r', loss scale [\d.e+]+', second[1])) == 3  # fp16: the GradScaler at work
 
 # -----------------------------------------------------------------------------
 # the benchmarks, quick forms: they run and print their figures
@@ -507,6 +528,48 @@ def test_the_cuda_8bit_codes_at_every_scale_and_beside_every_midpoint_equal_the_
     test_kernels.test_blocks_of_any_scale_get_the_references_codes("cuda")
     test_kernels.test_a_dense_sweep_of_scaled_moments_gets_the_references_codes("cuda")
     test_kernels.test_values_at_and_beside_every_midpoint_get_the_nearest_code_and_ties_the_lower("cuda")
+
+
+@cuda_only
+def test_every_kernel_test_of_the_cpu_suite_passes_for_the_cuda_kernel():
+    # test_kernels.py adds impl='cuda' to its cases where CUDA is present: every mode of the elementwise kernel
+    # (fp32 and bf16 state, bf16 grads, the fp16 param, the remainder, stochastic rounding) bit for bit the CPU kernel,
+    # exact roundings, unaligned views, found_inf, the 8-bit codes. Run here, as .ci/gpu runs this file only.
+    out = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'test_kernels.py', '-k',
+                          'cuda and not emulated'], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    passed = re.search(r'(\d+) passed', out.stdout)
+    assert out.returncode == 0 and passed and int(passed.group(1)) >= 60, out.stdout[-4000:]
+
+
+@cuda_only
+def test_the_kernel_runs_on_the_current_stream():
+    # kernels.adamw_step launches on torch's current stream: under a side stream, on a grad that stream makes after
+    # tens of ms of GPU sleep, the step waits for it (on the default stream it would read the grad's memory first)
+    n = 1 << 20
+    ref, shard = test_kernels.Shard(n), test_kernels.Shard(n).to("cuda")  # the same tensors (a seeded Shard)
+    grad = test_kernels.spiky_grad(n, torch.Generator().manual_seed(9))
+    ref.step("cpu", grad, weight_decay=0.1, decay_numel=n // 2, step=1)
+    grad_on_gpu, found_inf = grad.cuda(), torch.zeros(1, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        late = grad_on_gpu * 1.0
+        kernels.adamw_step(shard.master, late, shard.exp_avg, shard.exp_avg_sq, shard.param, found_inf,
+                           weight_decay=0.1, decay_numel=n // 2, step=1, impl="cuda", **test_kernels.HP)
+        out = [t.clone() for t in shard.tensors()]
+    side.synchronize()
+    for a, b in zip(out, ref.tensors()):
+        assert test_kernels.same_bits(a, b)
+
+
+@cuda_only
+def test_this_gpu_has_a_listed_peak_and_train_py_logs_its_mfu():
+    # model.peak_flops: the dense bf16 peak for MFU, by the GPU's name (None for an unlisted one: then no mfu is logged)
+    from model import peak_flops
+    name = torch.cuda.get_device_name(0)
+    assert peak_flops(torch.device('cuda', 0)) is not None, f"{name} is not in model.peak_flops' table"
+    assert re.search(r'^iter \d+: .*, mfu [\d.]+%', ok('stage 2'), re.M)
 
 
 @cuda_only

@@ -928,6 +928,23 @@ def test_build_is_attempted_once_per_process(monkeypatch):
     assert calls == ["cpu"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for the CUDA kernel where no GPU is")
+def test_asking_for_the_cuda_kernel_without_a_gpu_or_for_a_kernel_of_another_device_is_one_line(monkeypatch):
+    # impl='cuda' forced on a machine without a GPU says why (it would fall back under 'auto'); a kernel of one
+    # device given another device's tensors is refused before any pointer is taken (the CPU stands in for the GPU:
+    # impl='cpu' with 'meta' tensors, which only the reference could run)
+    monkeypatch.setattr(kernels, "_LIBRARIES", {})
+    with pytest.raises(RuntimeError, match=r"impl='cuda' is not available: .*no CUDA device"):
+        kernels.resolve_impl("cuda", torch.device("cuda"))
+    assert kernels.resolve_impl("auto", torch.device("meta")) == "reference"
+    shard = Shard(512)
+    meta = [None if t is None else torch.empty_like(t, device="meta")
+            for t in (shard.master, shard.exp_avg, shard.exp_avg_sq, shard.param)]
+    with pytest.raises(ValueError, match=r"impl='cpu' cannot run on meta tensors"):
+        kernels.adamw_step(meta[0], torch.ones(512, device="meta"), meta[1], meta[2], meta[3],
+                           torch.zeros(1, device="meta"), decay_numel=5, **HP, weight_decay=0.1, step=1, impl="cpu")
+
+
 def test_failed_build_falls_back_to_reference_with_one_warning_and_forcing_raises(monkeypatch):
     def fail(impl):
         raise RuntimeError(f"{impl} build failed: simulated: no C++ compiler")

@@ -52,6 +52,28 @@ def test_impossible_settings_are_clear_errors(override, message):
         train.check_config(cfg, world_size=2)
 
 
+@pytest.mark.parametrize('device, local_rank, expected, backend', [
+    ('cuda', '3', 'cuda:3', 'nccl'), ('cuda:0', '5', 'cuda:5', 'nccl'), ('cpu', '3', 'cpu', 'gloo')])
+def test_each_rank_takes_the_gpu_of_its_local_rank_and_hands_it_to_nccl(monkeypatch, device, local_rank, expected,
+                                                                       backend):
+    # train.setup_distributed on a GPU machine, its CUDA calls stood in for: rank 11 of 16 on a node's GPU LOCAL_RANK
+    # (whatever index the config names), set as the current device before NCCL starts, and given to NCCL as its
+    # device_id (the eager init that binds its communicator to that GPU); on the CPU, gloo and no device_id.
+    calls = {}
+    monkeypatch.setattr(torch.cuda, 'set_device', lambda d: calls.setdefault('set_device', d))
+    monkeypatch.setattr(train.dist, 'init_process_group', lambda **kw: calls.setdefault('init', kw))
+    monkeypatch.setattr(train.dist, 'get_rank', lambda: 11)
+    monkeypatch.setattr(train.dist, 'get_world_size', lambda: 16)
+    for key, value in dict(RANK='11', WORLD_SIZE='16', LOCAL_RANK=local_rank).items():
+        monkeypatch.setenv(key, value)
+    got, rank, world = train.setup_distributed({'device': device, 'backend': ''})
+    assert (str(got), rank, world) == (expected, 11, 16)
+    assert calls.get('set_device') == (got if backend == 'nccl' else None)
+    init = calls['init']
+    assert (init['backend'], init['device_id'], init['rank'], init['world_size']) == (
+        backend, got if backend == 'nccl' else None, 11, 16)
+
+
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
     cfg = dict(decay_lr=True, learning_rate=1.0, warmup_iters=10, lr_decay_iters=100, min_lr=0.1)
     lrs = [train.get_lr(it, cfg) for it in range(120)]
