@@ -47,7 +47,7 @@ __global__ void adamw_kernel(const AdamWArgs a, int64_t begin, int64_t end) {
 // block's scale and by bias_correction2_sqrt go through their reciprocals ([Note: dividing by the reciprocal,
 // exactly]): a GPU divide branches to a slow path, and the branches kept nvcc from overlapping one element's chain
 // with the next and each bucket gather with the previous one; and the vector and strided layouts are two kernels
-// (`vec`, a template argument). A round of the fp32-master instance, one lane: 1,087 -> 921 instructions, 42 -> 22
+// (`vec`, a template argument). A round of the fp32-master instance, one lane: 1,087 -> 905 instructions, 42 -> 22
 // branch regions (.ci/sass_round.py). None of it is timed on a GPU yet.
 constexpr int kWarps = 8, kRounds = 4, kBlocksPerSM = 3;
 
@@ -94,10 +94,12 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
       load8(a.master, i, vec, master);
       if constexpr (W::reads_param) load8(a.param, i, vec, param);
       const float old_absmax_m = a.exp_avg_absmax[block], old_absmax_v = a.exp_avg_sq_absmax[block];
+      // element k decays if i + k * step < decay_numel: one 64-bit difference a lane, then 32-bit compares
+      const int decaying = (int)(a.decay_numel - i < 0 ? 0 : a.decay_numel - i > 256 ? 256 : a.decay_numel - i);
       for (int k = 0; k < 8; ++k) {
         m[k] = maps[SIGNED_MAP + codes_m[k]] * old_absmax_m;  // = dequantize(), without the CPU's signed indexing
         v[k] = maps[UNSIGNED_MAP + codes_v[k]] * old_absmax_v;
-        const float decay = i + k * step < a.decay_numel ? a.decay : 1.0f;
+        const float decay = k * step < decaying ? a.decay : 1.0f;
         bad |= adamw_element<W, true>(a, i + k * step, decay, to_float(grad[k]), m[k], v[k], master[k], param[k],
                                       bc2_reciprocal);
         absmax_m = fmaxf(absmax_m, fabsf(m[k])); absmax_v = fmaxf(absmax_v, fabsf(v[k]));  // fmaxf drops a NaN
