@@ -60,8 +60,8 @@ def time_ms(fns, device, repeats=10, warmup=3):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
-    for round in range(repeats):
-        for name, fn in list(fns.items())[::1 if round % 2 == 0 else -1]:
+    for turn in range(repeats):
+        for name, fn in list(fns.items())[::1 if turn % 2 == 0 else -1]:
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -182,7 +182,10 @@ def library_at(rev, impl):
             raise SystemExit(f"--against {rev}: git cannot show csrc/{name} there: {done.stderr.strip()}")
         return done.stdout
     source = show("adamw_cpu.cpp" if impl == "cpu" else "adamw.cu")
-    return kernels._build(impl, source.replace('#include "adamw_common.h"', show("adamw_common.h")))
+    try:
+        return kernels._build(impl, source.replace('#include "adamw_common.h"', show("adamw_common.h")))
+    except RuntimeError as e:  # e.g. its AdamWArgs has other fields than kernels.AdamWArgs
+        raise SystemExit(f"--against {rev}: {e}") from None
 
 
 def with_library(impl, library, fn):

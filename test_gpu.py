@@ -105,8 +105,9 @@ def resume_chain():
 
 def stage0_resume():
     """Stage 0 (torch's DDP and fused AdamW) in fp16 (torch's GradScaler) saves, and resumes at stage 0: checkpoint.py
-    feeds the saved optimizer state, its step counts on the CPU, to the fused AdamW on the GPU, and the loss scale
-    to the GradScaler. (The resume chain above is stage 3 -> 2: it rebuilds shards and never takes this path.)"""
+    feeds the saved optimizer state, its step counts on the CPU, to the fused AdamW on the GPU, and the GradScaler's
+    state to the GradScaler (that the scale itself carries over is test_checkpoint.py's: in 6 steps it never moves
+    from its start). The resume chain above is stage 3 -> 2: it rebuilds shards and never takes this path."""
     common = [*TINY, '--zero_stage=0', '--always_save_checkpoint=True', '--eval_interval=3',
               *(['--dtype=float16'] if GPU else [])]
     return (train('save0', *common, '--max_iters=3'),
@@ -536,7 +537,7 @@ def test_every_kernel_test_of_the_cpu_suite_passes_for_the_cuda_kernel():
     # (fp32 and bf16 state, bf16 grads, the fp16 param, the remainder, stochastic rounding) bit for bit the CPU kernel,
     # exact roundings, unaligned views, found_inf, the 8-bit codes. Run here, as .ci/gpu runs this file only.
     out = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'test_kernels.py', '-k',
-                          'cuda and not emulated'], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          'cuda and not emulated'], capture_output=True, text=True, timeout=900, cwd=ROOT)
     passed = re.search(r'(\d+) passed', out.stdout)
     assert out.returncode == 0 and passed and int(passed.group(1)) >= 60, out.stdout[-4000:]
 
@@ -565,7 +566,8 @@ def test_the_kernel_runs_on_the_current_stream():
 
 @cuda_only
 def test_this_gpu_has_a_listed_peak_and_train_py_logs_its_mfu():
-    # model.peak_flops: the dense bf16 peak for MFU, by the GPU's name (None for an unlisted one: then no mfu is logged)
+    # model.peak_flops: the dense bf16 peak for MFU, by the GPU's name (None for an unlisted one: then no mfu is logged).
+    # On a GPU the table lacks this fails on purpose, naming it: add its peak.
     from model import peak_flops
     name = torch.cuda.get_device_name(0)
     assert peak_flops(torch.device('cuda', 0)) is not None, f"{name} is not in model.peak_flops' table"

@@ -378,7 +378,8 @@ def test_blocks_of_any_scale_get_the_references_codes(impl):
     # by the divide outside ([Note: dividing by the reciprocal, exactly]); the sweep above has scale 1, where both are
     # trivial. Here each block leads with its own absmax, 2^-75 to 2^70 with a random mantissa, so exp_avg's (= grad / 2)
     # blocks take both paths and exp_avg_sq's (= grad^2) reach 2^-148 and inf; the rest are random values and the
-    # midpoints, times the scale, so that their quotients fall within an ulp or two of the midpoints.
+    # midpoints, times the scale, so that their quotients fall within an ulp or two of the midpoints. The master
+    # (from sqrt(v) / bias_correction2_sqrt, by the reciprocal too; an inf root included) is compared as well.
     device = device_of(impl)
     gen = torch.Generator().manual_seed(5)
     blocks = 480
@@ -392,11 +393,13 @@ def test_blocks_of_any_scale_get_the_references_codes(impl):
         d = device if name == impl else torch.device("cpu")
         exp_avg, exp_avg_sq = (torch.zeros(len(grad), dtype=torch.uint8, device=d) for _ in range(2))
         absmax = (torch.zeros(blocks, device=d), torch.zeros(blocks, device=d))
-        adamw(name, torch.zeros(len(grad), device=d), grad.to(d), exp_avg, exp_avg_sq, None, torch.zeros(1, device=d),
+        master = torch.zeros(len(grad), device=d)
+        adamw(name, master, grad.to(d), exp_avg, exp_avg_sq, None, torch.zeros(1, device=d),
               lr=1e-3, beta1=0.5, beta2=0.0, eps=1e-8, weight_decay=0.0, decay_numel=0, step=1, absmax=absmax)
-        out[name] = (exp_avg.cpu(), exp_avg_sq.cpu(), *(a.cpu() for a in absmax))
+        out[name] = (exp_avg.cpu(), exp_avg_sq.cpu(), *(a.cpu() for a in absmax), master.cpu())
     scale_m, scale_v = out["reference"][2], out["reference"][3]
-    assert (scale_m < 2.0**-64).any() and (scale_m > 2.0**64).any() and ((2.0**-64 <= scale_m) & (scale_m <= 2.0**64)).any()
+    inside = lambda scale: (2.0**-64 <= scale) & (scale <= 2.0**64)
+    assert (scale_m < 2.0**-64).any() and (scale_m > 2.0**64).any() and (inside(scale_m) & inside(scale_v)).any()
     assert scale_v.isinf().any() and (scale_v < 2.0**-140).any()
     for ours, theirs in zip(out[impl], out["reference"]):
         assert same_bits(ours, theirs)
@@ -404,18 +407,16 @@ def test_blocks_of_any_scale_get_the_references_codes(impl):
 
 DIVIDE_CHECK = r"""
 #include <initializer_list>
-// every x of a sample, both signs, against x / d: the bits where |x / d| >= 2^-24, else below 2^-23 (the 8-bit code of
-// 0); returns the mismatches
-extern "C" long check(const float* x, long n, const float* ds, long nd) {
+// every x of a sample, both signs, against x / d: the bits where |x| >= 2^-100 and x / d is not below 2^-126 (NaN:
+// any NaN), else a result below 2^-23 ([Note: dividing by the reciprocal, exactly]); returns the mismatches
+extern "C" long check(const float* x, long n, float d) {
+  const float r = 1.0f / d;
   long bad = 0;
-  for (long j = 0; j < nd; ++j) {
-    const float d = ds[j], r = 1.0f / d;
-    for (long i = 0; i < n; ++i) {
-      for (float y : {x[i], -x[i]}) {
-        const float want = y / d, got = divide_by_reciprocal(y, d, r);
-        const bool small = fabsf(want) < 0x1p-24f;
-        bad += small ? !(fabsf(got) < 0x1p-23f) : bits_of(got) != bits_of(want) && !(want != want && got != got);
-      }
+  for (long i = 0; i < n; ++i) {
+    for (float y : {x[i], -x[i]}) {
+      const float want = y / d, got = divide_by_reciprocal(y, d, r);
+      const bool exact = !(fabsf(y) < 0x1p-100f) && !(fabsf(want) < 0x1p-126f);  // a NaN y: exact (any NaN)
+      bad += exact ? bits_of(got) != bits_of(want) && !(want != want && got != got) : !(fabsf(got) < 0x1p-23f);
     }
   }
   return bad;
@@ -425,27 +426,28 @@ extern "C" long check(const float* x, long n, const float* ds, long nd) {
 
 def test_dividing_by_the_reciprocal_equals_the_divide():
     # [Note: dividing by the reciprocal, exactly], compiled for the host as in the emulated CUDA library: divisors over
-    # the whole domain [2^-64, 2^64] (random mantissas, and the ends, 1 and 1 - ulp, where r = 1 / d rounds hardest),
-    # each against a million x: random fp32 within 2^24 of d and below, every 61st fp32 in [0, d] (in units of d),
-    # and inf, NaN, 0 and the smallest subnormal.
+    # the whole domain [2^-64, 2^64] (random mantissas, the ends, 1 and 1 - ulp, where r = 1 / d rounds hardest, and
+    # bias_correction2_sqrt's [2^-27, 1]), each against ~1.5 million x: quotients from 2^-80 to 2^92 (random), every
+    # 62,464th fp32 in [0, 1] times d, the same less an ulp, and inf, NaN, 0 and the smallest subnormal.
     source = (kernels.CSRC / "adamw_common.h").read_text() + DIVIDE_CHECK
     command = [kernels._compiler("cpu")[0], "-O2", "-march=native", "-ffp-contract=off", "-fno-math-errno",
                "-std=c++17", "-shared", "-fPIC"]
     path = kernels.cache_path("cpu").parent / f"divide_check_{hashlib.sha256(source.encode()).hexdigest()[:16]}.so"
     kernels.compile_library(source, command, path)
     check = ctypes.CDLL(str(path)).check
-    check.restype = ctypes.c_long
+    check.argtypes, check.restype = [ctypes.c_void_p, ctypes.c_long, ctypes.c_float], ctypes.c_long
     gen = torch.Generator().manual_seed(7)
-    ds = torch.rand(40, generator=gen).add(1) * 2.0 ** torch.randint(-64, 64, (40,), generator=gen)
-    ds = torch.cat([ds, torch.tensor([2.0**-64, 2.0**64, 1.0, 1 - 2**-24, 1 + 2**-23, 1.5 * 2.0**-64, 2.0**64 * (1 - 2**-24)])])
+    mantissas = lambda k: torch.rand(k, generator=gen).add(1)
+    ds = torch.cat([mantissas(40) * 2.0 ** torch.randint(-64, 64, (40,), generator=gen),
+                    mantissas(8) * 2.0 ** torch.randint(-28, 0, (8,), generator=gen),  # bias_correction2_sqrt's range
+                    torch.tensor([2.0**-64, 2.0**64, 1.0, 1 - 2**-24, 1 + 2**-23, 1.5 * 2.0**-64, 2.0**64 * (1 - 2**-24)])])
+    specials = torch.tensor([float("inf"), float("nan"), 0.0, 1e-45])
     for d in ds.tolist():
-        quotients = torch.cat([2.0 ** torch.empty(500_000).uniform_(-26, 24, generator=gen),  # |x / d| in [2^-26, 2^24)
+        quotients = torch.cat([2.0 ** torch.empty(1_000_000).uniform_(-80, 92, generator=gen),
                                kernels._from_unsigned(torch.arange(0, 0x3F800001, 61 * 1024), torch.float32)])
-        x = torch.cat([(quotients * d).nextafter(torch.tensor(0.0)), quotients * d,
-                       torch.tensor([float("inf"), float("nan"), 0.0, 1e-45])])
-        x = x[~(x.abs() > 2.0**64 * d)]  # NaN stays
-        assert check(x.numpy().ctypes.data_as(ctypes.c_void_p), len(x), torch.tensor([d]).numpy().ctypes.data_as(
-            ctypes.c_void_p), 1) == 0, d
+        x = torch.cat([(quotients * d).nextafter(torch.tensor(0.0)), quotients * d])
+        x = torch.cat([x[x.isfinite()], specials])
+        assert check(x.numpy().ctypes.data, len(x), d) == 0, d
 
 
 @pytest.mark.parametrize("impl", KERNELS)

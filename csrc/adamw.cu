@@ -95,7 +95,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
       if constexpr (W::reads_param) load8(a.param, i, vec, param);
       const float old_absmax_m = a.exp_avg_absmax[block], old_absmax_v = a.exp_avg_sq_absmax[block];
       // element k decays if i + k * step < decay_numel: one 64-bit difference a lane, then 32-bit compares
-      const int decaying = (int)(a.decay_numel - i < 0 ? 0 : a.decay_numel - i > 256 ? 256 : a.decay_numel - i);
+      const int64_t left = a.decay_numel - i;
+      const int decaying = (int)(left < 0 ? 0 : left > 256 ? 256 : left);
       for (int k = 0; k < 8; ++k) {
         m[k] = maps[SIGNED_MAP + codes_m[k]] * old_absmax_m;  // = dequantize(), without the CPU's signed indexing
         v[k] = maps[UNSIGNED_MAP + codes_v[k]] * old_absmax_v;

@@ -140,16 +140,22 @@ HD uint8_t code_of(float xn, const int32_t* buckets) {
 }
 HD uint8_t quantize(float x, float scale, const int32_t* buckets) { return code_of(x / scale, buckets); }
 
-// [Note: dividing by the reciprocal, exactly] x / d rounded once (IEEE), from r = 1 / d (itself rounded once) and four
-// fmas, where d is shared by many x (a block's scale, the step's bias_correction2_sqrt): a GPU's divide is a reciprocal,
-// five dependent fmas, a range check and a branch to a slow path, per element. q0 = x * r is within 1.5 ulps of x / d;
-// one correction by the exact residual x - q0 * d makes it faithful (within 1 ulp); and a second gives the correctly
-// rounded quotient (Markstein's theorem: r within half an ulp of 1 / d, q faithful, no underflow), so this equals
-// x / d bit for bit. Its domain: d in [2^-64, 2^64] (r normal) and |x / d| <= 2^64; the residuals are exact (multiples of
-// 2^-149) where |x| >= 2^-100, and a smaller x (x / d below 2^-24 in the 8-bit code, where every value takes the code
-// of 0) comes out below 2^-23 all the same; x = inf gives inf, NaN gives NaN. test_kernels.py checks it against the
-// divide (test_dividing_by_the_reciprocal_equals_the_divide); 2e9 random pairs and every fp32 x in [0, d] for five d
-// gave no mismatch when it was written, for one correction as for two: the second is there for the proof.
+// [Note: dividing by the reciprocal, exactly]
+// x / d rounded once (IEEE), from r = 1 / d (itself rounded once) and four fmas, for a d shared by many x (a block's
+// scale, the step's bias_correction2_sqrt): a GPU's divide is a reciprocal, five dependent fmas, a range check and a
+// branch to a slow path, per element. The claim: for d in [2^-64, 2^64], the result is x / d bit for bit wherever
+// |x| >= 2^-100 and the quotient is normal and finite (|x / d| in [2^-126, 2^127)); an x = inf gives inf and a NaN a
+// NaN; and any quotient below 2^-24 comes out below 2^-23 (in the 8-bit code all of those take the code of 0: the
+// smallest midpoints are 1.6e-7 and 2.7e-7). The kernel's two uses stay there: x / scale is at most 1 in magnitude,
+// and sqrt(v) / bias_correction2_sqrt is at least 2^-74.5 (or 0) over at least 2^-26.5 (kernels.adamw_step takes
+// 0 <= beta2 < 1), at most 2^64 / 2^-26.5.
+// Why: q0 = x * r is within 1.5 ulps of x / d, not always within 1. The first correction, q0 + (x - q0 * d) * r with
+// its residual rounded, lands within an ulp (faithful). The second residual, x - q1 * d, is then exact (Boldo and
+// Daumas), and with r within half an ulp of 1 / d, q1 + that residual * r rounded once is the correctly rounded
+// quotient (Markstein's theorem; no underflow: hence the bounds above).
+// Checked: test_dividing_by_the_reciprocal_equals_the_divide, against the divide on the host, whose fma and divide
+// are IEEE as the GPU's are; when written, 2e9 random pairs and every fp32 x in [0, d] for five d gave no mismatch,
+// for one correction as for two: the second is there for the proof.
 HD bool reciprocal_divides_exactly(float d) { return d >= 0x1p-64f && d <= 0x1p64f; }
 HD float divide_by_reciprocal(float x, float d, float r) {
   const float q0 = x * r;
