@@ -5,6 +5,7 @@ step show. In-process, on torch's fake process group (rank 0 of world_size ranks
 
     python -m pytest -q test_comm.py
 """
+import contextlib
 import math
 import subprocess
 import sys
@@ -108,6 +109,64 @@ def test_bench_link_fits_a_ring_exactly():
         points = [(nbytes, truth.seconds(kind, nbytes, 4)) for nbytes in (4096, 2**20, 2**24)]
         bandwidth, latency = bench_link.fit(points, 4, kind)
         assert (bandwidth, latency) == (pytest.approx(0.5e9, rel=1e-9), pytest.approx(300e-6, rel=1e-9))
+
+
+def test_on_cuda_the_link_spins_a_side_stream_after_the_inputs_and_orders_the_current_stream_after_it(monkeypatch):
+    # The CUDA branch of Link.start (CudaLinkWork) with torch.cuda's streams, events and spin stood in for, as a log
+    # of calls: each collective waits for the current stream's work so far (the compute that wrote its input), spins
+    # its ring time in cycles on the link's one side stream (so collectives queue in launch order), records an event
+    # there; wait() makes the current stream wait for that event, and nothing makes the host wait. On a GPU:
+    # test_gpu.py's test_simulated_link_on_cuda_queues_on_a_side_stream_and_orders_the_current_stream.
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(('wait_stream', self.name, other.name))
+
+        def wait_event(self, event):
+            log.append(('wait_event', self.name, event.name))
+
+    class Event:
+        count = 0
+
+        def __init__(self):
+            Event.count += 1
+            self.name = f'event{Event.count}'
+
+        def record(self, stream):
+            log.append(('record', self.name, stream.name))
+
+    current, made = [Stream('current')], []
+
+    @contextlib.contextmanager
+    def on(stream):  # torch.cuda.stream(s): s is the current stream inside
+        log.append(('on', stream.name))
+        current.append(stream)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, 'Stream', lambda device: made.append(device) or Stream('side'))
+    monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, 'stream', on)
+    monkeypatch.setattr(torch.cuda, '_sleep', lambda cycles: log.append(('spin', current[-1].name, cycles)))
+    monkeypatch.setattr(torch.cuda, 'Event', Event)
+    monkeypatch.setattr(comm, 'cuda_cycles_per_second', lambda device: 1.5e9)
+    link, gpu = comm.Link(bandwidth=1e9, latency=1e-6), torch.device('cuda', 3)
+    a = link.start('all_gather', 4_000_000, 4, gpu)  # 3.003 ms = 4,504,500 cycles at 1.5 GHz
+    b = link.start('reduce_scatter', 8_000_000, 4, gpu)  # 6.003 ms = 9,004,500 cycles
+    b.wait()
+    a.wait()
+    assert made == [gpu]  # one side stream a link, on the collective's device
+    assert log == [('wait_stream', 'side', 'current'), ('on', 'side'), ('spin', 'side', 4_504_500),
+                   ('record', 'event1', 'side'),
+                   ('wait_stream', 'side', 'current'), ('on', 'side'), ('spin', 'side', 9_004_500),
+                   ('record', 'event2', 'side'),
+                   ('wait_event', 'current', 'event2'), ('wait_event', 'current', 'event1')]
+    assert link.busy == {'all_gather': pytest.approx(3.003e-3), 'reduce_scatter': pytest.approx(6.003e-3)}
+    assert link.free_at == 0.0 and link.blocked == {}  # the CPU's queue and host waits are not used on CUDA
 
 
 def test_collectives_queue_on_one_link_and_wait_blocks_until_the_end():
