@@ -18,8 +18,8 @@ train.py sees, the whole run in its own processes.
 """
 import itertools
 import os
-import shutil
 import re
+import shutil
 import subprocess
 import sys
 import tempfile

@@ -47,7 +47,7 @@ __global__ void adamw_kernel(const AdamWArgs a, int64_t begin, int64_t end) {
 // block's scale and by bias_correction2_sqrt go through their reciprocals ([Note: dividing by the reciprocal,
 // exactly]): a GPU divide branches to a slow path, and the branches kept nvcc from overlapping one element's chain
 // with the next and each bucket gather with the previous one; and the vector and strided layouts are two kernels
-// (`vec`, a template argument). A round of the fp32-master instance, one lane: 1,087 -> 905 instructions, 42 -> 22
+// (`vec`, a template argument). A round of the fp32-master instance, one lane: 1,087 -> 906 instructions, 42 -> 22
 // branch regions (.ci/sass_round.py). None of it is timed on a GPU yet.
 constexpr int kWarps = 8, kRounds = 4, kBlocksPerSM = 3;
 
@@ -80,7 +80,6 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
   for (int t = threadIdx.x; t < 512; t += blockDim.x) maps[t] = a.tables[t];
   __syncthreads();
   const int lane = threadIdx.x % 32;
-  const float bc2_reciprocal = 1.0f / a.bias_correction2_sqrt;
   bool bad = false;
   for (int round = 0; round < kRounds; ++round) {  // `active` is the same for the 32 lanes of a warp: whole-warp shuffles
     const int64_t block = ((int64_t)blockIdx.x * kRounds + round) * kWarps + threadIdx.x / 32;
@@ -101,8 +100,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
         m[k] = maps[SIGNED_MAP + codes_m[k]] * old_absmax_m;  // = dequantize(), without the CPU's signed indexing
         v[k] = maps[UNSIGNED_MAP + codes_v[k]] * old_absmax_v;
         const float decay = k * step < decaying ? a.decay : 1.0f;
-        bad |= adamw_element<W, true>(a, i + k * step, decay, to_float(grad[k]), m[k], v[k], master[k], param[k],
-                                      bc2_reciprocal);
+        bad |= adamw_element<W, true>(a, i + k * step, decay, to_float(grad[k]), m[k], v[k], master[k], param[k]);
         absmax_m = fmaxf(absmax_m, fabsf(m[k])); absmax_v = fmaxf(absmax_v, fabsf(v[k]));  // fmaxf drops a NaN
       }
       store8(a.master, i, vec, master); store8(a.param, i, vec, param);

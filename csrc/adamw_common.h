@@ -167,17 +167,18 @@ HD float divide_by_reciprocal(float x, float d, float r) {
 // The update of one element, in the reference's op order. Each op rounds once (the CPU build has -ffp-contract=off,
 // the CUDA one --fmad=false; sqrtf and / are IEEE); the two fmaf are where torch's own CPU kernels fuse (lerp,
 // addcmul), so exp_avg and exp_avg_sq match torch bit for bit. Returns true if the scaled grad is inf or nan.
-// bc2_reciprocal: 1 / bias_correction2_sqrt, for the CUDA 8-bit kernel's [Note: dividing by the reciprocal, exactly]
-// (bias_correction2_sqrt is in its domain: kernels.adamw_step takes 0 <= beta2 < 1, so it is in [2^-27, 1]).
+// kByReciprocal (the CUDA 8-bit kernel): sqrt(v) / bias_correction2_sqrt by [Note: dividing by the reciprocal,
+// exactly]; the same reciprocal every element, computed once after inlining (kernels.adamw_step takes 0 <= beta2 < 1,
+// so bias_correction2_sqrt is in [2^-27, 1], in the domain).
 template <class W, bool kByReciprocal = false>
 HD bool adamw_element(const AdamWArgs& a, int64_t i, float decay, float grad, float& m, float& v,
-                      typename W::master_t& master, typename W::param_t& param, float bc2_reciprocal = 0.0f) {
+                      typename W::master_t& master, typename W::param_t& param) {
   const float g = grad * a.grad_scale;
   m = fmaf(a.one_minus_beta1, g - m, m);          // exp_avg.lerp_(g, 1 - beta1)
   v = fmaf(a.one_minus_beta2 * g, g, v * a.beta2);  // exp_avg_sq.mul_(beta2).addcmul_(g, g, 1 - beta2)
   const float root = sqrtf(v);
-  const float denom = (kByReciprocal ? divide_by_reciprocal(root, a.bias_correction2_sqrt, bc2_reciprocal)
-                                     : root / a.bias_correction2_sqrt) + a.eps;
+  const float bc2 = a.bias_correction2_sqrt;
+  const float denom = (kByReciprocal ? divide_by_reciprocal(root, bc2, 1.0f / bc2) : root / bc2) + a.eps;
   const float x = W::load(master, param) * decay - a.step_size * m / denom;  // mul_(decay).addcdiv_(m, denom, -step_size)
   W::store(a, i, x, master, param);
   return (bits_of(g) & 0x7F800000u) == 0x7F800000u;
