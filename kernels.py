@@ -211,19 +211,6 @@ def round_stochastic(x32, seed, step, index_offset=0):
 # the lower). The step dequantizes (map[code] * absmax), updates in fp32 and uses the new fp32 m and v for the param
 # update (as torchao's AdamW8bit does), then requantizes. Worst error: half the largest gap between codes, times absmax.
 
-# [Note: a code in one load]
-# The code of xn is the number of midpoints below it; a binary search over the 255 midpoints costs 8 dependent loads
-# per element. Instead, group the fp32 values by their top 16 bits (sign, exponent, 7 fraction bits): 2^16 buckets,
-# each 1/256 to 1/128 of its values wide. No bucket holds two midpoints (the closest two are 0.9/128 apart, near 1,
-# where a bucket is 1/256 wide; _buckets checks it), so one int32 per bucket answers exactly: its low 8 bits count
-# the midpoints below the bucket, the bits above hold a threshold on the low 16 bits of xn, past which xn is above
-# the bucket's own midpoint too. Within a bucket the low 16 bits grow with the value (flipped for negatives: there
-# they grow with the magnitude), so code = (entry & 255) + (key(xn) >= entry >> 8), one gathered load and integer
-# compares. E.g. the unsigned midpoint 240 is 0.9015625119 = 0x3F66CCCD: bucket 0x3F66 holds 240 below and the
-# threshold 0xCCCE, so xn = that midpoint (a tie) gets code 240 and the next fp32 up, 0x3F66CCCE, code 241.
-# A bucket without a midpoint has threshold 2^16, never reached. NaN buckets hold 255, as torch.searchsorted puts a
-# NaN above every midpoint (xn = x / absmax is never +-inf: an inf x makes absmax inf and xn NaN).
-
 def dynamic_map(signed):
     """The 256 values of the 8-bit dynamic code, sorted ascending (fp32): [Note: 8-bit state]."""
     magnitude_bits = 7 if signed else 8  # the unsigned map spends the sign bit on the fraction
@@ -251,7 +238,8 @@ def _midpoints(q):
 
 def _buckets(midpoints):
     """(2^16,) int32: for each bucket of the fp32 values that share their top 16 bits, the midpoints below it, and the
-    threshold on the low 16 bits past which a value is above the one midpoint inside it. [Note: a code in one load]"""
+    threshold on the low 16 bits past which a value is above the one midpoint inside it: [Note: a code in one load]
+    (csrc/adamw_common.h, beside the lookup)."""
     top = torch.arange(1 << 16, device='cpu')  # built once on the CPU, whatever the default device, then moved
     negative = top >= 0x8000  # there the smallest value has the largest low half
     lowest = _from_unsigned(torch.where(negative, top << 16 | 0xFFFF, top << 16), torch.float32)
@@ -402,8 +390,8 @@ class AdamWArgs(ctypes.Structure):
 
 # [Note: plain shared libraries]
 # The sources include no torch headers, so a build is one compiler call: measured on 2 cores, 2.6 s for the CPU
-# library (g++ 12, all 42 instances) and 3.8 s for the CUDA one (nvcc 13, sm_90), where torch.utils.cpp_extension
-# (torch's headers, ninja) took 25-40 s for the CPU one alone. Python fills the args struct from tensors and
+# library (g++ 12, all 42 instances) and 8.8 s for the CUDA one (nvcc 13, sm_90, 26 Nov), where
+# torch.utils.cpp_extension (torch's headers, ninja) took 25-40 s for the CPU one alone. Python fills the args struct from tensors and
 # calls an extern "C" entry point through ctypes. The CUDA library links the *shared* cudart, so it uses the
 # libcudart that torch has already loaded, and launches on torch's current stream. The file name carries a hash of
 # everything that changes the binary: source, flags, compiler and version, the CPU's extensions (-march=native code
@@ -541,9 +529,10 @@ _LIBRARIES = {}  # 'cpu' / 'cuda' -> the loaded Library, or the RuntimeError its
 def _build(impl, source=None):
     """Build (or find in the cache) and load one library; RuntimeError with a one-line reason.
     Building the CUDA one needs nvcc, not a GPU (set TORCH_CUDA_ARCH_LIST, e.g. "9.0")."""
+    source = source or (CPU_SOURCE if impl == "cpu" else CUDA_SOURCE)
     try:
         path = cache_path(impl, source)
-        compile_library(source or (CPU_SOURCE if impl == "cpu" else CUDA_SOURCE), _command(impl), path)
+        compile_library(source, _command(impl), path)
         return Library(path)
     except (RuntimeError, OSError) as e:
         raise RuntimeError(f"{impl} build failed: {e}") from e

@@ -121,7 +121,6 @@ enum { SIGNED_MAP = 0, UNSIGNED_MAP = 256 };
 enum { SIGNED_BUCKETS = 0, UNSIGNED_BUCKETS = 1 << 16 };
 HD void from_float(float x, float& out) { out = x; }
 HD void from_float(float x, bf16& out) { out = bf16_nearest_even(x); }
-HD float magnitude(float x) { const float y = fabsf(x); return y > 0.0f ? y : 0.0f; }  // NaN -> 0: absmax ignores it
 // [Note: table lookups that vectorize] Both loops of the CPU block gather from tables. g++ emits a gather (16 lanes in
 // one instruction) only for a signed 32-bit offset computed in 32-bit lanes; an offset it can prove non-negative
 // (a uint8 code, the top half of a uint32) is widened to 64 bits and the "gather" becomes 16 scalar loads. So each
@@ -131,7 +130,19 @@ HD float dequantize(uint8_t code, float absmax, const float* map) {
   return (map + 128)[(int32_t)((uint32_t)code << 24 ^ 0x80000000u) >> 24] * absmax;
 }
 HD float code_scale(float absmax) { return absmax > 0.0f ? absmax : 1.0f; }  // an all-zero block divides by 1
-// The code of xn: the midpoints below its bucket, + 1 if its low 16 bits pass the bucket's threshold.
+// [Note: a code in one load]
+// The code of xn is the number of midpoints below it; a binary search over the 255 midpoints costs 8 dependent loads
+// per element. Instead, group the fp32 values by their top 16 bits (sign, exponent, 7 fraction bits): 2^16 buckets,
+// each 1/256 to 1/128 of its values wide. No bucket holds two midpoints (the closest two are 0.9/128 apart, near 1,
+// where a bucket is 1/256 wide; kernels._buckets builds the table and checks it), so one int32 per bucket answers
+// exactly: its low 8 bits count the midpoints below the bucket, the bits above hold a threshold on the low 16 bits
+// of xn, past which xn is above the bucket's own midpoint too. Within a bucket the low 16 bits grow with the value
+// (flipped for negatives: there they grow with the magnitude), so code = (entry & 255) + (key(xn) >= entry >> 8),
+// one gathered load and integer compares. E.g. the unsigned midpoint 240 is 0.9015625119 = 0x3F66CCCD: bucket 0x3F66
+// holds 240 below and the threshold 0xCCCE, so xn = that midpoint (a tie) gets code 240 and the next fp32 up,
+// 0x3F66CCCE, code 241. A bucket without a midpoint has threshold 2^16, never reached. NaN buckets hold 255, as
+// torch.searchsorted puts a NaN above every midpoint (xn = x / absmax is never +-inf: an inf x makes absmax inf and
+// xn NaN).
 HD uint8_t code_of(float xn, const int32_t* buckets) {
   const uint32_t b = bits_of(xn);
   const int32_t entry = (buckets + 32768)[(int32_t)(b ^ 0x80000000u) >> 16];
