@@ -429,12 +429,8 @@ def test_dividing_by_the_reciprocal_equals_the_divide():
     # the whole domain [2^-64, 2^64] (random mantissas, the ends, 1 and 1 - ulp, where r = 1 / d rounds hardest, and
     # bias_correction2_sqrt's [2^-27, 1]), each against ~1.5 million x: quotients from 2^-80 to 2^92 (random), every
     # 62,464th fp32 in [0, 1] times d, the same less an ulp, and inf, NaN, 0 and the smallest subnormal.
-    source = (kernels.CSRC / "adamw_common.h").read_text() + DIVIDE_CHECK
-    command = [kernels._compiler("cpu")[0], "-O2", "-march=native", "-ffp-contract=off", "-fno-math-errno",
-               "-std=c++17", "-shared", "-fPIC"]
-    path = kernels.cache_path("cpu").parent / f"divide_check_{hashlib.sha256(source.encode()).hexdigest()[:16]}.so"
-    kernels.compile_library(source, command, path)
-    check = ctypes.CDLL(str(path)).check
+    check = ctypes.CDLL(str(host_library((kernels.CSRC / "adamw_common.h").read_text() + DIVIDE_CHECK,
+                                         "divide_check"))).check
     check.argtypes, check.restype = [ctypes.c_void_p, ctypes.c_long, ctypes.c_float], ctypes.c_long
     gen = torch.Generator().manual_seed(7)
     mantissas = lambda k: torch.rand(k, generator=gen).add(1)
@@ -817,17 +813,23 @@ static void host_launch(Kernel kernel, unsigned grid, unsigned block, Args... ar
 """
 
 
+def host_library(source, name):
+    """source compiled for the host as the kernels' IEEE arithmetic needs it (no fma contraction), cached like the
+    kernels' own libraries: the path of name_<hash>.so."""
+    command = [kernels._compiler("cpu")[0], "-O2", "-march=native", "-ffp-contract=off", "-fno-math-errno",
+               "-std=c++17", "-shared", "-fPIC"]
+    digest = hashlib.sha256("\0".join([source, *command]).encode()).hexdigest()[:16]
+    path = kernels.cache_path("cpu").parent / f"{name}_{digest}.so"
+    kernels.compile_library(source, command, path)
+    return path
+
+
 @functools.cache
 def cuda_on_host_path():
     launch = re.compile(r"(\w+<[^<>;]*>)<<<(.*?), (\w+), 0, stream>>>\((.*?)\);")
     assert len(launch.findall(kernels.CUDA_SOURCE)) == 4, "update the launch pattern to the CUDA source"
-    source = HOST_CUDA_PRELUDE + launch.sub(r"host_launch(\1, \2, \3, \4);", kernels.CUDA_SOURCE)
-    command = [kernels._compiler("cpu")[0], "-O2", "-march=native", "-ffp-contract=off", "-fno-math-errno",
-               "-std=c++17", "-shared", "-fPIC"]
-    digest = hashlib.sha256("\0".join([source, *command]).encode()).hexdigest()[:16]
-    path = kernels.cache_path("cpu").parent / f"adamw_cuda_on_host_{digest}.so"
-    kernels.compile_library(source, command, path)
-    return path
+    return host_library(HOST_CUDA_PRELUDE + launch.sub(r"host_launch(\1, \2, \3, \4);", kernels.CUDA_SOURCE),
+                        "adamw_cuda_on_host")
 
 
 @contextlib.contextmanager
