@@ -522,20 +522,11 @@ def test_cuda_8bit_path_in_unaligned_views_equals_the_cpu_kernel():
 
 
 @cuda_only
-def test_the_cuda_8bit_codes_at_every_scale_and_beside_every_midpoint_equal_the_references():
-    # [Note: dividing by the reciprocal, exactly] on the GPU's own fma, reciprocal and divide (the host-emulated
-    # library runs the same source on the host's): blocks of absmax 2^-75 to 2^70 and inf (both paths of the kernel),
-    # every 1021st fp32 in [-1, 1] and 8 ulps either side of each midpoint, and the midpoints' ties
-    test_kernels.test_blocks_of_any_scale_get_the_references_codes("cuda")
-    test_kernels.test_a_dense_sweep_of_scaled_moments_gets_the_references_codes("cuda")
-    test_kernels.test_values_at_and_beside_every_midpoint_get_the_nearest_code_and_ties_the_lower("cuda")
-
-
-@cuda_only
 def test_every_kernel_test_of_the_cpu_suite_passes_for_the_cuda_kernel():
     # test_kernels.py adds impl='cuda' to its cases where CUDA is present: every mode of the elementwise kernel
     # (fp32 and bf16 state, bf16 grads, the fp16 param, the remainder, stochastic rounding) bit for bit the CPU kernel,
-    # exact roundings, unaligned views, found_inf, the 8-bit codes. Run here, as .ci/gpu runs this file only.
+    # exact roundings, unaligned views, found_inf, the 8-bit codes at every scale and beside every midpoint ([Note:
+    # dividing by the reciprocal, exactly] on the GPU's own fma and divide). Run here, as .ci/gpu runs this file only.
     out = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'test_kernels.py', '-k',
                           'cuda and not emulated'], capture_output=True, text=True, timeout=900, cwd=ROOT)
     passed = re.search(r'(\d+) passed', out.stdout)
