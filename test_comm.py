@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import bench_link
+import bench_scale
 import comm
 import train
 import zero
@@ -80,7 +81,7 @@ def test_link_presets_and_custom_links_parse_and_bad_ones_say_how():
     for bad in ('ib4000', '0,5', '-1', '10,-2', '1,2,3', 'nan'):
         with pytest.raises(ValueError, match='BANDWIDTH_GBps'):
             comm.parse_link(bad)
-    import bench_scale  # --speedup scales a CPU's compute; a GPU's is what it is: refused there in one line
+    # --speedup scales a CPU's compute; a GPU's is what it is: refused there in one line
     assert isinstance(bench_scale.link_clock(torch.device('cpu'), 10.0), comm.VirtualClock)
     with pytest.raises(ValueError, match='on a GPU, leave it out'):
         bench_scale.link_clock(torch.device('cuda', 0), 10.0)

@@ -5,6 +5,7 @@ the batch stream), end-to-end runs under torchrun, and the benchmark's own claim
     python -m pytest -q test_train.py
 """
 import argparse
+import ast
 import os
 import re
 import subprocess
@@ -240,7 +241,7 @@ def test_bench_train_peak_memory_is_the_largest_process_of_the_job():
     child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {grandchild!r}], check=True)"
     launcher = f"import sys, bench_train; print(bench_train.run([sys.executable, '-c', {child!r}]))"
     out = subprocess.run([sys.executable, '-c', launcher], capture_output=True, text=True, timeout=120)
-    code, _, gib = eval(out.stdout.strip().splitlines()[-1])
+    code, _, gib = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     assert code == 0 and 0.55 < gib < 1.0, gib
 
 
