@@ -855,7 +855,8 @@ def cuda_library():
 def test_cuda_kernel_equals_the_cpu_kernel_bit_for_bit(impl, weights, state):
     # same math, same roundings (explicit fma only, IEEE sqrt and divide, the shared rounding functions): the CUDA
     # source agrees with the CPU loop exactly, on the host and (the claim a first GPU run checks) on a GPU
-    n = 4097 * 3 if state != "uint8" else 256 * 48  # 12288 in the vector kernel + 3 in the tail; or 48 blocks
+    n = 4097 * 3 if state != "uint8" else 256 * 96  # 12288 in the vector kernel + 3 in the tail; or 96 blocks:
+    # 1.5 CUDA blocks of 64 (csrc/adamw.cu)
     for grad_dtype in (torch.float32, torch.bfloat16):
         cpu = Shard(n, weights, state)
         other = cpu.to(device_of(impl))
@@ -901,7 +902,7 @@ def test_cuda_library_builds_for_sm90_with_nvcc_alone(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                     reason="no nvcc: cannot compile the CUDA source")
-def test_the_8bit_cuda_kernel_fits_3_blocks_an_sm_without_spills(monkeypatch, tmp_path):
+def test_the_8bit_cuda_kernel_fits_4_blocks_an_sm_without_spills(monkeypatch, tmp_path):
     # [Note: registers for occupancy] (csrc/adamw.cu): ptxas's own count for sm_90, every instance of the 8-bit kernel
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     (tmp_path / "adamw.cu").write_text(kernels.CUDA_SOURCE)
@@ -915,7 +916,7 @@ def test_the_8bit_cuda_kernel_fits_3_blocks_an_sm_without_spills(monkeypatch, tm
     for e in block:
         registers = int(re.search(r"Used (\d+) registers", e).group(1))
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", e)]
-        assert registers <= 65536 // (3 * 256) and spills == [0, 0], (e.split("'")[0], registers, spills)
+        assert registers <= 65536 // (4 * 256) and spills == [0, 0], (e.split("'")[0], registers, spills)
 
 
 # ----------------------------------------------------------------------------

@@ -38,18 +38,20 @@ __global__ void adamw_kernel(const AdamWArgs a, int64_t begin, int64_t end) {
 // load to the store: lane l holds elements 8l .. 8l + 7 (the codes as one 8-byte load, the other streams as 16- or
 // 32-byte loads) when every pointer is aligned for that (`vec`), else elements l, l + 32, ... (scalar, coalesced).
 // The block's new absmax is a warp shuffle reduction, the code maps sit in shared memory, the buckets are read
-// through the L1 cache: each block is read once and written once. A CUDA block is 8 warps, each taking 4
-// quantization blocks in turn, so that the maps are loaded into shared memory once per 8192 elements.
+// through the L1 cache: each block is read once and written once. A CUDA block is 8 warps, each taking 8
+// quantization blocks in turn, so that the maps are loaded into shared memory once per 16K elements.
 // [Note: registers for occupancy] Left alone, nvcc gives this kernel 80-102 registers a thread: 2 CUDA blocks (16
-// warps) an SM, too few to hide the loads' latency behind a warp's long update and the buckets' gathers. Asking for
-// 3 blocks an SM (__launch_bounds__) gets 72-79 registers and no spills (ptxas -v, sm_90, every instance; test
-// test_the_8bit_cuda_kernel_fits_3_blocks_an_sm_without_spills): 24 warps. 4 asked for spills. The divides by a
-// block's scale and by bias_correction2_sqrt go through their reciprocals ([Note: dividing by the reciprocal,
-// exactly]): a GPU divide branches to a slow path, and the branches kept nvcc from overlapping one element's chain
-// with the next and each bucket gather with the previous one; and the vector and strided layouts are two kernels
-// (`vec`, a template argument). A round of the fp32-master instance, one lane: 1,087 -> 906 instructions, 42 -> 22
-// branch regions (.ci/sass_round.py). None of it is timed on a GPU yet.
-constexpr int kWarps = 8, kRounds = 4, kBlocksPerSM = 3;
+// warps) an SM, too few to hide the loads' latency behind a warp's long update and the buckets' gathers. We ask for 4
+// (__launch_bounds__): 64 registers and no spills (ptxas -v, sm_90, every instance; test
+// test_the_8bit_cuda_kernel_fits_4_blocks_an_sm_without_spills), 32 warps; 5 spill. The divides by a block's scale
+// and by bias_correction2_sqrt go through their reciprocals ([Note: dividing by the reciprocal, exactly]): a GPU
+// divide branches to a slow path, and the branches kept nvcc from overlapping one element's chain with the next and
+// each bucket gather with the previous one; and the vector and strided layouts are two kernels (`vec`, a template
+// argument). On one H200 (256M elements, fp32-master int8 mode, tried in turns in one run): 3 blocks an SM and 4
+// rounds, 0.67 of the copy bandwidth; 4 blocks, 0.72; 4 blocks and 8 rounds, 0.74; 2 rounds, 0.73. Also tried there,
+// no faster: the update in phases over a lane's 8 elements (moments, roots, weights), and sqrtf's fast path for the
+// whole warp at once. What bounds it now is the instructions it issues: assets/kernels_8bit.md.
+constexpr int kWarps = 8, kRounds = 8, kBlocksPerSM = 4;
 
 template <class T> __device__ __forceinline__ void load8(const void* p, int64_t i, bool vec, T (&x)[8]) {
   if constexpr (!std::is_same<T, Empty>::value) {
@@ -138,7 +140,7 @@ static cudaError_t launch(const AdamWArgs& a, cudaStream_t stream) {
   const int threads = 256;
   static_assert(threads == kWarps * 32, "the 8-bit kernel's launch bounds assume 256 threads");
   if constexpr (std::is_same<S, uint8_t>::value) {
-    // e.g. n = 256 * 48: 48 quantization blocks -> 2 CUDA blocks, the second with 16 of its 32 slots used
+    // e.g. n = 256 * 96: 96 quantization blocks -> 2 CUDA blocks, the second with 32 of its 64 slots used
     const int64_t per_cuda_block = kWarps * kRounds;
     const bool vec = aligned(a.grad, 8 * sizeof(G)) && aligned(a.exp_avg, 8) && aligned(a.exp_avg_sq, 8) &&
                      aligned(a.master, 8 * sizeof(typename W::master_t)) && aligned(a.param, 8 * sizeof(typename W::param_t));
