@@ -118,14 +118,13 @@ class Unit:
     def all_gather_input(self):
         # [Note: a cast per gather] With bf16 compute and an fp32 master every gather rounds the master shard again:
         # 2a - 1 times a step more than needed with a micro-steps (forward and backward re-gathers), one pass over 6
-        # bytes an element of Ψ/N each. Two tricks were weighed and left out: keeping the bf16 shard that the fused
+        # bytes an element of Ψ/N each, in the kernel library (kernels.cast_param with impl='auto'; its torch ops take
+        # seven passes and five temporaries, ~56 bytes an element: README, "Speed"). Two tricks were weighed and left out: keeping the bf16 shard that the fused
         # step can write for free (2Ψ/N bytes more, what stage 3 is picked to save), and rounding straight into this
-        # rank's slice of the unsharded param to gather in place (a shard-sized temporary and copy less per gather,
-        # but it needs an out= variant of kernels.cast_param). At world 1 on GPT-2 124M with 4 micro-steps a step casts
-        # 8 x 85M (blocks) + 4 x 39M (root) elements where 124M would do; not timed (no GPU this session).
+        # rank's slice of the unsharded param to gather in place (a shard-sized temporary and copy less per gather).
         if self.lends_shard:
             return self.sharded_param
-        return kernels.cast_param(self.sharded_param, self.unsharded_param.dtype)  # (shard_numel,), for this gather
+        return kernels.cast_param(self.sharded_param, self.unsharded_param.dtype, impl='auto')  # (shard_numel,)
 
     def wait_for_unshard(self):
         if self.state is State.IN_FLIGHT:

@@ -556,6 +556,26 @@ def test_the_kernel_runs_on_the_current_stream():
 
 
 @cuda_only
+def test_the_gathers_cast_runs_on_the_current_stream_without_a_host_sync():
+    # kernels.cast_param(impl='auto'), a stage-3 gather's bf16 param: on a side stream, after tens of ms of GPU sleep,
+    # it reads the master that stream writes, and it never waits for the device
+    master = torch.randn(1 << 20) * 10.0 ** torch.randint(-30, 30, (1 << 20,))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    on_gpu = master.cuda()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        late = on_gpu * 1.0
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = kernels.cast_param(late, torch.bfloat16, impl="auto")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    side.synchronize()
+    assert test_kernels.same_bits(out, kernels.cast_param(master, torch.bfloat16))
+
+
+@cuda_only
 def test_this_gpu_has_a_listed_peak_and_train_py_logs_its_mfu():
     # model.peak_flops: the dense bf16 peak for MFU, by the GPU's name (None for an unlisted one: then no mfu is logged).
     # On a GPU the table lacks this fails on purpose, naming it: add its peak.

@@ -168,4 +168,25 @@ extern "C" int adamw_step(const AdamWArgs* a, void* stream) {
     return (int)launch<decltype(grad), decltype(state), decltype(weights)>(*a, (cudaStream_t)stream);
   });
 }
+// A stage-3 gather's compute param from the fp32 master shard: kernels.cast_param, one pass of 6 bytes an element.
+// N elements a thread, as one 4N-byte load when the pointers allow (N = 4), else one (N = 1).
+template <int N> __global__ void cast_bf16_kernel(const float* x, bf16* out, int64_t n) {
+  const int64_t i = N * ((int64_t)blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < n) {  // n is a multiple of N
+    const Vec<float, N> v = load<float, N>(x, i);
+    Vec<bf16, N> b;
+    for (int k = 0; k < N; ++k) b.x[k] = bf16_away(v.x[k]);
+    store(out, i, b);
+  }
+}
+extern "C" int cast_bf16(const float* x, bf16* out, int64_t n, void* stream_) {
+  const cudaStream_t stream = (cudaStream_t)stream_;
+  const int threads = 256;
+  const int64_t n_vec = aligned(x, 16) && aligned(out, 8) ? n / 4 * 4 : 0;
+  if (n_vec > 0)
+    cast_bf16_kernel<4><<<(unsigned)((n_vec / 4 + threads - 1) / threads), threads, 0, stream>>>(x, out, n_vec);
+  if (n > n_vec)
+    cast_bf16_kernel<1><<<(unsigned)((n - n_vec + threads - 1) / threads), threads, 0, stream>>>(x + n_vec, out + n_vec, n - n_vec);
+  return (int)cudaGetLastError();
+}
 extern "C" const char* adamw_error_string(int error) { return cudaGetErrorString((cudaError_t)error); }
