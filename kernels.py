@@ -127,14 +127,12 @@ def _unsigned(x):
 def _from_unsigned(u, dtype):
     """Inverse of _unsigned: non-negative int64 bit patterns -> a tensor of dtype with those bits."""
     width = 8 * dtype.itemsize
-    signed = {16: torch.int16, 32: torch.int32}[width]
-    return (u - ((u >> (width - 1)) << width)).to(signed).view(dtype)
+    return (u - ((u >> (width - 1)) << width)).to({16: torch.int16, 32: torch.int32}[width]).view(dtype)
 
 
 def _round_bf16(x32, below):
-    """bf16 of fp32 bits + below (< 2^16), truncated; NaN -> quiet NaN (the add could carry a NaN into inf). In int32,
-    to keep the temporaries small (every stage-3 gather with an fp32 master runs this): the add overflows only for
-    NaN patterns, which the where replaces, and a negative float's high half, shifted arithmetically, is its int16."""
+    """bf16 of fp32 bits + below (< 2^16), truncated; NaN -> quiet NaN (the add could carry a NaN into inf). In int32:
+    the add overflows only for NaN patterns, which the where replaces; a negative's high half, shifted, is its int16."""
     bits = x32.view(torch.int32)
     below = below.to(torch.int32) if torch.is_tensor(below) else below
     return torch.where(x32.isnan(), (bits >> 16) | 0x40, (bits + below) >> 16).to(torch.int16).view(torch.bfloat16)
@@ -150,8 +148,8 @@ def cast_param(master32, dtype, impl="reference"):
     if impl == "reference" or not master32.is_contiguous():
         return _round_bf16(master32, 0x8000)
     out = torch.empty(master32.shape, dtype=torch.bfloat16, device=master32.device)
-    with torch.cuda.device(master32.device) if impl == "cuda" else contextlib.nullcontext():
-        _LIBRARIES[impl].cast_bf16(master32, out, torch.cuda.current_stream().cuda_stream if impl == "cuda" else None)
+    _LIBRARIES[impl].call("cast_bf16", master32.device, ctypes.c_void_p(master32.data_ptr()),
+                          ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(master32.numel()))
     return out
 
 
@@ -515,28 +513,24 @@ def compile_library(source, command, path):
 
 
 class Library:
-    """A built kernel library, loaded with ctypes: step(args, stream) runs one AdamW step."""
+    """A built kernel library, loaded with ctypes: call('adamw_step', ...) runs one AdamW step, 'cast_bf16' a cast."""
 
     def __init__(self, path):
         self.lib = ctypes.CDLL(str(path))
-        self.lib.adamw_step.argtypes = [ctypes.POINTER(AdamWArgs), ctypes.c_void_p]
         self.lib.adamw_args_size.restype = ctypes.c_size_t
         size = self.lib.adamw_args_size()
         if size != ctypes.sizeof(AdamWArgs):
             raise RuntimeError(f"{path}: the C AdamWArgs is {size} bytes but kernels.AdamWArgs is "
                                f"{ctypes.sizeof(AdamWArgs)}: the two must list the same fields")
 
-    def step(self, args, stream=None):
-        self._raise_for(self.lib.adamw_step(ctypes.byref(args), stream))
-
-    def cast_bf16(self, x, out, stream=None):
-        self._raise_for(self.lib.cast_bf16(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-                                           ctypes.c_int64(x.numel()), stream))
-
-    def _raise_for(self, error):
+    def call(self, name, device, *args):
+        """The library's entry point name(*args, stream): on a GPU, on torch's current stream of device."""
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            stream = torch.cuda.current_stream().cuda_stream if device.type == "cuda" else None
+            error = getattr(self.lib, name)(*args, ctypes.c_void_p(stream))
         if error:  # only the CUDA library returns errors: a cudaError_t
             self.lib.adamw_error_string.restype = ctypes.c_char_p
-            raise RuntimeError(f"nanozero kernel launch failed: {self.lib.adamw_error_string(error).decode()}")
+            raise RuntimeError(f"nanozero {name} launch failed: {self.lib.adamw_error_string(error).decode()}")
 
 
 _LIBRARIES = {}  # 'cpu' / 'cuda' -> the loaded Library, or the RuntimeError its build raised
@@ -671,8 +665,4 @@ def adamw_step(master, grad, exp_avg, exp_avg_sq, param, found_inf, *, lr, beta1
         return
     if impl != grad.device.type:
         raise ValueError(f"impl={impl!r} cannot run on {grad.device} tensors")
-    if impl == "cpu":
-        _LIBRARIES["cpu"].step(_pack(tensors, hp))
-        return
-    with torch.cuda.device(grad.device):
-        _LIBRARIES["cuda"].step(_pack(tensors, hp), torch.cuda.current_stream().cuda_stream)
+    _LIBRARIES[impl].call("adamw_step", grad.device, ctypes.byref(_pack(tensors, hp)))

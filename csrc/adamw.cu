@@ -185,8 +185,8 @@ extern "C" int cast_bf16(const float* x, bf16* out, int64_t n, void* stream_) {
   const int64_t n_vec = aligned(x, 16) && aligned(out, 8) ? n / 4 * 4 : 0;
   if (n_vec > 0)
     cast_bf16_kernel<4><<<(unsigned)((n_vec / 4 + threads - 1) / threads), threads, 0, stream>>>(x, out, n_vec);
-  if (n > n_vec)
-    cast_bf16_kernel<1><<<(unsigned)((n - n_vec + threads - 1) / threads), threads, 0, stream>>>(x + n_vec, out + n_vec, n - n_vec);
+  if (const int64_t tail = n - n_vec; tail > 0)
+    cast_bf16_kernel<1><<<(unsigned)((tail + threads - 1) / threads), threads, 0, stream>>>(x + n_vec, out + n_vec, tail);
   return (int)cudaGetLastError();
 }
 extern "C" const char* adamw_error_string(int error) { return cudaGetErrorString((cudaError_t)error); }
