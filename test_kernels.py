@@ -769,6 +769,10 @@ HOST_CUDA_PRELUDE = r"""
 #define __host__
 #define __forceinline__ inline
 #define __shared__ static  // one block runs at a time, so per-block storage can be static
+struct uint2 { unsigned x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+template <class T> static T __ldcs(const T* p) { return *p; }  // a cache hint on a GPU, a plain load here
+template <class T> static void __stcs(T* p, T v) { *p = v; }
 typedef void* cudaStream_t;
 typedef int cudaError_t;
 static const cudaError_t cudaSuccess = 0;

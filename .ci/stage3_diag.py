@@ -16,6 +16,7 @@ model (GPT-2 124M, bf16 autocast, 12 x 1024 micro-batches), in one process (as b
 GPU (world 1, NCCL):   torchrun --standalone --nproc_per_node=1 .ci/stage3_diag.py
 CPU dry run (gloo):    torchrun --standalone --nproc_per_node=1 .ci/stage3_diag.py --tiny
 Options: --kinds zero3,zero2 (build/compile zero3 first), --micro 4, --long 40 (0: skip C), --compile 0,
+         --parts C (only the timeline, no profiler in the process), --loss-chunk N (model.LOSS_CHUNK),
          --cprofile (one step per kind under cProfile: top Python costs and zero3 - zero2), --set key=value.
 """
 import argparse
@@ -60,6 +61,8 @@ def args_():
     p.add_argument('--steps', type=int, default=2)
     p.add_argument('--compile', type=int, default=1)
     p.add_argument('--cprofile', action='store_true')
+    p.add_argument('--parts', default='A,B,C', help="A: torch.profiler, B: sync sites, C: the long step's timeline")
+    p.add_argument('--loss-chunk', type=int, default=0, help="model.LOSS_CHUNK (logits a head chunk) if not 0")
     p.add_argument('--out', default='out-stage3-diag')
     p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE')
     return p.parse_args()
@@ -81,6 +84,9 @@ def union_us(intervals):
 
 def main():
     a = args_()
+    if a.loss_chunk:
+        import model
+        model.LOSS_CHUNK = a.loss_chunk
     overrides = (TINY if a.tiny else []) + [f'compile={bool(a.compile)}', f'gradient_accumulation_steps={a.micro}'] + a.set
     cfg = train.parse_config(['config/zero3.py'] + [f'--{kv}' for kv in overrides])
     device, rank, world = train.setup_distributed(cfg)
@@ -126,6 +132,10 @@ def main():
 
 
 def diagnose(kind, engine, step, a, cuda, sync, log):
+    parts = a.parts.split(',')
+    if 'A' not in parts:
+        log(f"\n=== {kind}")
+        return guarded(log, micro_timeline, engine, step, a, cuda, sync, log) if 'C' in parts and a.long else {}
     log(f"\n=== {kind}: {a.steps} steps x {a.micro} micro-steps under torch.profiler")
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     mem0 = torch.cuda.memory_stats() if cuda else {}
@@ -188,9 +198,9 @@ def diagnose(kind, engine, step, a, cuda, sync, log):
     cpu_avgs = [e for e in got['avgs'] if e.device_type == DeviceType.CPU]
     for e in sorted(cpu_avgs, key=lambda e: -e.self_cpu_time_total)[:10]:
         log(f"  {fmt_ms(e.self_cpu_time_total / n):>8} {e.count / n:>8g}  {e.key[:90]}")
-    if cuda:
+    if cuda and 'B' in parts:
         guarded(log, sync_sites, kind, engine, step, a, sync, log)
-    if a.long:
+    if a.long and 'C' in parts:
         out.update(guarded(log, micro_timeline, engine, step, a, cuda, sync, log) or {})
     return out
 
@@ -297,7 +307,7 @@ def profile_python(engines, kinds, step, a, sync, log):
         log(f"\n== cProfile {k}, one step of {a.micro} micro-steps: top by own time (ms/micro-step, calls/micro-step)")
         for name, (calls, tt, ct) in top:
             log(f"  {tt * 1e3 / a.micro:7.3f} {calls / a.micro:7.1f}  {name[:100]}")
-    if len(kinds) == 2:
+    if len(kinds) >= 2:
         x, y = kinds[1], kinds[0]
         diff = {n: (stats[x].get(n, (0, 0, 0))[1] - stats[y].get(n, (0, 0, 0))[1],
                     stats[x].get(n, (0, 0, 0))[0] - stats[y].get(n, (0, 0, 0))[0]) for n in set(stats[x]) | set(stats[y])}

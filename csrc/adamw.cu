@@ -51,13 +51,23 @@ __global__ void adamw_kernel(const AdamWArgs a, int64_t begin, int64_t end) {
 // rounds, 0.67 of the copy bandwidth; 4 blocks, 0.72; 4 blocks and 8 rounds, 0.74; 2 rounds, 0.73. Also tried there,
 // no faster: the update in phases over a lane's 8 elements (moments, roots, weights), and sqrtf's fast path for the
 // whole warp at once. What bounds it now is the instructions it issues: assets/kernels_8bit.md.
+// [Note: the 8-bit kernel's memory hints] Two hints that change no result: (1) the streams are read and written once,
+// so their vector loads and stores are evict-first (__ldcs, __stcs, 8 or 16 bytes each), which leaves the caches to
+// the bucket table the encode gathers from; (2) at the end of each round a warp asks L2 for its block two rounds on
+// (prefetch.global.L2, one instruction a stream a lane, no registers held), so that round's loads find it there
+// instead of waiting on DRAM; prefetching one round on held registers and spilled. On one H200 at 256M elements, in
+// turns with the kernel without them: 0.79 / 0.81 / 0.56 of copy against 0.76 / 0.73 / 0.55 (time 0.96x / 0.90x /
+// 0.99x); each hint alone gave about half of that; three rounds ahead, or 16 rounds a block, no better.
 constexpr int kWarps = 8, kRounds = 8, kBlocksPerSM = 4;
 
 template <class T> __device__ __forceinline__ void load8(const void* p, int64_t i, bool vec, T (&x)[8]) {
   if constexpr (!std::is_same<T, Empty>::value) {
-    if (vec) {
-      const Vec<T, 8> v = *(const Vec<T, 8>*)((const T*)p + i);
-      for (int k = 0; k < 8; ++k) x[k] = v.x[k];
+    if (vec) {  // [Note: the 8-bit kernel's memory hints]
+      const T* q = (const T*)p + i;
+      if constexpr (sizeof(x) == 8) { const uint2 w = __ldcs((const uint2*)q); memcpy(x, &w, 8); }
+      else for (int c = 0; c < (int)sizeof(x) / 16; ++c) {
+        const uint4 w = __ldcs((const uint4*)q + c); memcpy((char*)x + 16 * c, &w, 16);
+      }
     } else {
       for (int k = 0; k < 8; ++k) x[k] = ((const T*)p)[i + 32 * k];
     }
@@ -66,13 +76,21 @@ template <class T> __device__ __forceinline__ void load8(const void* p, int64_t 
 template <class T> __device__ __forceinline__ void store8(void* p, int64_t i, bool vec, const T (&x)[8]) {
   if constexpr (!std::is_same<T, Empty>::value) {
     if (vec) {
-      Vec<T, 8> v;
-      for (int k = 0; k < 8; ++k) v.x[k] = x[k];
-      *(Vec<T, 8>*)((T*)p + i) = v;
+      T* q = (T*)p + i;
+      if constexpr (sizeof(x) == 8) { uint2 w; memcpy(&w, x, 8); __stcs((uint2*)q, w); }
+      else for (int c = 0; c < (int)sizeof(x) / 16; ++c) {
+        uint4 w; memcpy(&w, (const char*)x + 16 * c, 16); __stcs((uint4*)q + c, w);
+      }
     } else {
       for (int k = 0; k < 8; ++k) ((T*)p)[i + 32 * k] = x[k];
     }
   }
+}
+
+template <class T> __device__ __forceinline__ void prefetch8(const void* p, int64_t i) {  // into L2: a hint
+#ifdef __CUDA_ARCH__  // (the host-emulated build of test_kernels.py has no L2)
+  if constexpr (!std::is_same<T, Empty>::value) asm volatile("prefetch.global.L2 [%0];" :: "l"((const T*)p + i));
+#endif
 }
 
 template <class G, class W, bool vec>  // a template argument: one kernel's loads would be issued for both layouts
@@ -83,6 +101,15 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
   __syncthreads();
   const int lane = threadIdx.x % 32;
   bool bad = false;
+  const auto prefetch_round = [&](int r) {  // this warp's block of round r, if there is one: [Note: ... memory hints]
+    const int64_t b = ((int64_t)blockIdx.x * kRounds + r) * kWarps + threadIdx.x / 32;
+    if (r < kRounds && b < a.n / 256) {
+      const int64_t j = b * 256 + 8 * lane;
+      prefetch8<uint8_t>(a.exp_avg, j); prefetch8<uint8_t>(a.exp_avg_sq, j); prefetch8<G>(a.grad, j);
+      prefetch8<M>(a.master, j); prefetch8<P>(a.param, j);
+    }
+  };
+  prefetch_round(1);
   for (int round = 0; round < kRounds; ++round) {  // `active` is the same for the 32 lanes of a warp: whole-warp shuffles
     const int64_t block = ((int64_t)blockIdx.x * kRounds + round) * kWarps + threadIdx.x / 32;
     const bool active = block < a.n / 256;
@@ -129,6 +156,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
       store8(a.exp_avg, i, vec, codes_m); store8(a.exp_avg_sq, i, vec, codes_v);
       if (lane == 0) { a.exp_avg_absmax[block] = absmax_m; a.exp_avg_sq_absmax[block] = absmax_v; }
     }
+    prefetch_round(round + 2);
   }
   if (__syncthreads_or(bad) && threadIdx.x == 0) *a.found_inf = 1.0f;
 }
