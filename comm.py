@@ -31,6 +31,7 @@ an all-reduce left out takes a reduce-scatter's time plus an all-gather's, and o
 What it cannot show: a real collective's bandwidth shared with other traffic, its own use of the cores and
 memory bandwidth (gloo on a CPU competes with compute: see bench_link.py), and stragglers: every rank is rank 0.
 """
+import contextlib
 import math
 import time
 import warnings
@@ -41,8 +42,21 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-# torch 2.13 renames these two collectives; the old names are what torch 2.11 (our GPU machines) has
+# torch 2.13 renames these two collectives (the old names warn at every call, ~7 us); torch 2.11 (our GPU machines)
+# has only the old names
 warnings.filterwarnings('ignore', message=r'`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated')
+ALL_GATHER = getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, 'reduce_scatter_single', None) or dist.reduce_scatter_tensor
+
+
+def traced(name):
+    """A named range in a torch.profiler trace, only while a profiler records: [Note: ranges only when traced]."""
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+# [Note: ranges only when traced] Our collectives and their waits are named ranges in a trace (train.py's
+# profile=True). A record_function costs ~10 us of host time even with no profiler running (it builds its range),
+# and stage 3 opens ~76 a micro-step with GPT-2 (a gather, its wait, a reduce-scatter, its wait per unit): on an
+# H200 the compiled step is host-bound (README, "Measured: speed"), so they open only under a profiler.
 
 # -----------------------------------------------------------------------------
 # The collectives, counted
@@ -52,7 +66,7 @@ class Comm:
     """The three collectives ZeRO needs, on one process group, counting the elements each one moves.
     Convention of the ZeRO paper: reduce-scattering an n-element buffer, or all-gathering into one,
     moves n elements per rank; an all-reduce is both, 2n. Divided by Ψ these are the table's figures.
-    Each launch is a named range in a torch.profiler trace (train.py's profile=True)."""
+    Each launch is a named range in a torch.profiler trace (train.py's profile=True): traced()."""
 
     def __init__(self, process_group=None, device=torch.device('cpu')):
         self.process_group = process_group
@@ -88,17 +102,16 @@ class Comm:
 
     def all_gather(self, out, inp, async_op=False, name='all_gather'):
         self.count('all_gather', out)
-        with record_function(name):
-            work = dist.all_gather_into_tensor(out, inp, group=self.process_group, async_op=async_op)
+        with traced(name):
+            work = ALL_GATHER(out, inp, group=self.process_group, async_op=async_op)
         if self.fake:  # (a copy of inp: stages 1/2 gather in place, inp is a row of out)
             out.view(self.world_size, -1).copy_(inp.clone())
         return self.simulate('all_gather', out.numel() * out.element_size(), work, async_op)
 
     def reduce_scatter(self, out, inp, async_op=False, name='reduce_scatter'):
         self.count('reduce_scatter', inp)
-        with record_function(name):
-            work = dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG, group=self.process_group,
-                                              async_op=async_op)
+        with traced(name):
+            work = REDUCE_SCATTER(out, inp, op=dist.ReduceOp.AVG, group=self.process_group, async_op=async_op)
         if self.fake:
             out.copy_(inp.view(self.world_size, -1)[self.rank])
         return self.simulate('reduce_scatter', inp.numel() * inp.element_size(), work, async_op)

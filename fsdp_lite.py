@@ -33,9 +33,9 @@ from enum import Enum
 import torch
 import torch.utils.checkpoint
 from torch.autograd.graph import register_multi_grad_hook
-from torch.profiler import record_function
 
 import kernels
+from comm import traced
 
 
 def point_param_at(p, view):
@@ -130,7 +130,7 @@ class Unit:
 
     def wait_for_unshard(self):
         if self.state is State.IN_FLIGHT:
-            with record_function(f'wait all_gather unit {self.bucket.index}'):
+            with traced(f'wait all_gather unit {self.bucket.index}'):
                 self.work.wait()
             self.work, self.state = None, State.UNSHARDED
             if self.lends_shard:

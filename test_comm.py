@@ -312,3 +312,16 @@ def test_a_tensor_never_let_go_ends_the_run_after_the_timeout_with_a_warning(glo
     with pytest.warns(UserWarning, match='gloo still holds a tensor 0.2 s after the last collective'):
         comm.end_process_group(torch.device('cpu'), t, timeout=0.2)
     assert 0.2 <= time.perf_counter() - t0 < 5 and not dist.is_initialized() and t._use_count() == 2  # (the view)
+
+
+def test_named_ranges_open_only_while_a_profiler_records(monkeypatch):
+    """comm.traced ([Note: ranges only when traced]): no range is built outside a profiler (each costs host time on
+    every collective and wait), and every one is inside it (test_memory.py checks they reach the trace)."""
+    opened = []
+    monkeypatch.setattr(comm, 'record_function', lambda name: opened.append(name) or nullcontext())
+    with comm.traced('outside'):
+        pass
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        with comm.traced('inside'):
+            pass
+    assert opened == ['inside']

@@ -25,11 +25,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from torch.profiler import record_function
 
 import fsdp_lite
 import kernels
-from comm import Comm  # the collectives, counted (and zero.Comm for callers that import it from here)
+from comm import Comm, traced  # the collectives, counted (and zero.Comm for callers that import it from here)
 
 # -----------------------------------------------------------------------------
 # The flat layout
@@ -361,7 +360,7 @@ class Zero1:
 
     def _wait_in_flight(self):
         for b, work, out in self.in_flight:
-            with record_function(f'wait reduce_scatter bucket {b.index}'):
+            with traced(f'wait reduce_scatter bucket {b.index}'):
                 work.wait()
             # the bucket's fp32 grad shard starts as its first reduce-scatter's output and accumulates the next
             # micro-steps' (stages 2/3); it lives until the step, like FSDP2's sharded grads
