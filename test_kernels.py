@@ -808,6 +808,16 @@ static float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
   return other;
 }
 
+// the 8-bit kernel's L2 prefetches ([Note: the 8-bit kernel's memory hints]): each address asked for, in order
+static std::vector<const void*> prefetched;
+#define HOST_PREFETCH(p) prefetched.push_back(p)
+extern "C" int64_t host_prefetches(const void** out, int64_t capacity) {  // copies them out and forgets them
+  const int64_t n = (int64_t)prefetched.size();
+  for (int64_t i = 0; i < n && i < capacity; ++i) out[i] = prefetched[i];
+  prefetched.clear();
+  return n;
+}
+
 template <class Kernel, class... Args>
 static void host_launch(Kernel kernel, unsigned grid, unsigned block, Args... args) {
   fibers.resize(block); stacks.resize(block * kStack); finished.assign(block, 0);
@@ -890,6 +900,41 @@ def test_cuda_kernel_equals_the_cpu_kernel_bit_for_bit(impl, weights, state):
                            grad_scale=0.37, index_offset=2**32 - 5000)  # 5001: mid-vector
             for a, b in zip(cpu.tensors(), other.tensors()):
                 assert same_bits(a, b)
+
+
+@pytest.mark.parametrize("weights", ["fp32+bf16param", "remainder", "none-stochastic"])
+def test_the_8bit_kernels_l2_prefetches_ask_for_the_blocks_of_the_rounds_to_come_inside_each_stream(weights):
+    """The CUDA-only prefetch ([Note: the 8-bit kernel's memory hints]) takes addresses a CPU can check: run on the host,
+    the kernel asks, for every stream it reads, for the 8 elements of each lane of each warp's block of rounds 1-7 of
+    its CUDA block that exist (n = 96 quantization blocks: 1.5 CUDA blocks of 8 warps x 8 rounds), nothing past a
+    stream's end and nothing of round 0 (no round before it to ask during)."""
+    n = 256 * 96
+    shard = Shard(n, weights, "uint8")
+    grad = torch.randn(n)
+    hp = dict(weight_decay=0.1, decay_numel=5001)
+    shard.step("cuda-emulated", grad, step=1, **hp)
+    lib = ctypes.CDLL(str(cuda_on_host_path()))  # the library the step ran: dlopen gives the loaded one
+    lib.host_prefetches.restype = ctypes.c_int64
+    assert lib.host_prefetches(None, 0) > 0  # step 1 asked for some; now forgotten
+    shard.step("cuda-emulated", grad, step=2, **hp)
+    buf = (ctypes.c_void_p * 100_000)()
+    count = lib.host_prefetches(buf, len(buf))
+    assert 0 < count <= len(buf)
+    streams = {name: t for name, t in (("exp_avg", shard.exp_avg), ("exp_avg_sq", shard.exp_avg_sq), ("grad", grad),
+                                       ("master", shard.master), ("param", shard.param)) if t is not None}
+    asked = {name: [] for name in streams}
+    for address in buf[:count]:
+        hits = [name for name, t in streams.items()
+                if t.data_ptr() <= address < t.data_ptr() + t.numel() * t.element_size()]
+        assert len(hits) == 1, f"a prefetch of {address:#x} is in no stream's memory"
+        t = streams[hits[0]]
+        offset = address - t.data_ptr()
+        assert offset % (8 * t.element_size()) == 0  # a lane's first element of 8
+        asked[hits[0]].append(offset // t.element_size())
+    rounds_to_come = [((cuda_block * 8 + r) * 8 + warp) for cuda_block in (0, 1) for r in range(1, 8) for warp in range(8)]
+    expected = sorted(b * 256 + 8 * lane for b in rounds_to_come if b < 96 for lane in range(32))
+    for name in streams:
+        assert sorted(asked[name]) == expected, name
 
 
 @pytest.mark.parametrize("archs, gpu, built", [("8.0", (9, 0), ["80", "90"]), ("9.0a", (9, 0), ["90a"]),

@@ -88,9 +88,13 @@ template <class T> __device__ __forceinline__ void store8(void* p, int64_t i, bo
 }
 
 template <class T> __device__ __forceinline__ void prefetch8(const void* p, int64_t i) {  // into L2: a hint
-#ifdef __CUDA_ARCH__  // (the host-emulated build of test_kernels.py has no L2)
-  if constexpr (!std::is_same<T, Empty>::value) asm volatile("prefetch.global.L2 [%0];" :: "l"((const T*)p + i));
+  if constexpr (!std::is_same<T, Empty>::value) {
+#ifdef __CUDA_ARCH__
+    asm volatile("prefetch.global.L2 [%0];" :: "l"((const T*)p + i));
+#elif defined(HOST_PREFETCH)  // test_kernels.py's host build records each address, to check what is asked for
+    HOST_PREFETCH((const T*)p + i);
 #endif
+  }
 }
 
 template <class G, class W, bool vec>  // a template argument: one kernel's loads would be issued for both layouts
