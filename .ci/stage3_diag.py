@@ -17,6 +17,7 @@ GPU (world 1, NCCL):   torchrun --standalone --nproc_per_node=1 .ci/stage3_diag.
 CPU dry run (gloo):    torchrun --standalone --nproc_per_node=1 .ci/stage3_diag.py --tiny
 Options: --kinds zero3,zero2 (build/compile zero3 first), --micro 4, --long 40 (0: skip C), --compile 0,
          --parts C (only the timeline, no profiler in the process), --loss-chunk N (model.LOSS_CHUNK),
+         --turns R [--ranges-ab] (R rounds of C with the kinds in turns; with the ranges always open too),
          --cprofile (one step per kind under cProfile: top Python costs and zero3 - zero2), --set key=value.
 """
 import argparse
@@ -63,6 +64,9 @@ def args_():
     p.add_argument('--cprofile', action='store_true')
     p.add_argument('--parts', default='A,B,C', help="A: torch.profiler, B: sync sites, C: the long step's timeline")
     p.add_argument('--loss-chunk', type=int, default=0, help="model.LOSS_CHUNK (logits a head chunk) if not 0")
+    p.add_argument('--turns', type=int, default=0, help="then R rounds of C, the kinds in turns: per-round ratios")
+    p.add_argument('--ranges-ab', action='store_true', help="in --turns, each kind also with comm.traced's ranges "
+                   "always open (the cost of [Note: ranges only when traced], in the same process)")
     p.add_argument('--out', default='out-stage3-diag')
     p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE')
     return p.parse_args()
@@ -126,6 +130,8 @@ def main():
     log("\n== summary (ms)")
     for k, s in summary.items():
         log(f"  {k}: " + ', '.join(f"{n} {v:.2f}" for n, v in s.items()))
+    if a.turns:
+        turns(engines, kinds, step, a, cuda, sync, log)
     if a.cprofile:
         profile_python(engines, kinds, step, a, sync, log)
     comm.end_process_group(device)
@@ -289,6 +295,34 @@ def micro_timeline(engine, step, a, cuda, sync, log):
         return {f'wall/micro @{a.long}': wall / a.long, f'device/micro @{a.long}': statistics.median(dm),
                 f'host/micro @{a.long}': statistics.median(hm)}
     return {f'wall/micro @{a.long}': wall / a.long}
+
+
+def turns(engines, kinds, step, a, cuda, sync, log):
+    """a.turns rounds, each kind's long step once a round (rotated order, as bench.py zero): the median of each kind's
+    host ms a micro-step, and of each round's ratio to the first kind, which a slow spell of the host cancels out of."""
+    variants = [(k, False) for k in kinds] + ([(k, True) for k in kinds] if a.ranges_ab else [])
+    real_traced = comm.traced
+    always = lambda name: comm.record_function(name)  # noqa: E731
+    quiet = lambda *x, **k: None  # noqa: E731
+    host = defaultdict(list)
+    for r in range(a.turns):
+        for i in range(len(variants)):
+            k, ranges = variants[(r + i) % len(variants)]
+            comm.traced = always if ranges else real_traced
+            for module in (sys.modules['zero'], sys.modules['fsdp_lite']):
+                module.traced = comm.traced
+            out = micro_timeline(engines[k], step, a, cuda, sync, quiet)
+            host[k + (' +ranges' if ranges else '')].append(out[f'wall/micro @{a.long}'])
+    comm.traced = real_traced
+    for module in (sys.modules['zero'], sys.modules['fsdp_lite']):
+        module.traced = real_traced
+    first = list(host)[0]
+    log(f"\n== {a.turns} rounds in turns, {a.long} micro-steps a step: wall ms a micro-step, median (each round's ratio "
+        f"to {first}, median, min-max)")
+    for name, values in host.items():
+        ratios = [v / f for v, f in zip(values, host[first])]
+        log(f"  {name:<16} {statistics.median(values):7.2f}  ({statistics.median(ratios):.3f}x, "
+            f"{min(ratios):.3f}-{max(ratios):.3f})")
 
 
 def profile_python(engines, kinds, step, a, sync, log):
