@@ -55,9 +55,10 @@ __global__ void adamw_kernel(const AdamWArgs a, int64_t begin, int64_t end) {
 // so their vector loads and stores are evict-first (__ldcs, __stcs, 8 or 16 bytes each), which leaves the caches to
 // the bucket table the encode gathers from; (2) at the end of each round a warp asks L2 for its block two rounds on
 // (prefetch.global.L2, one instruction a stream a lane, no registers held), so that round's loads find it there
-// instead of waiting on DRAM; prefetching one round on held registers and spilled. On one H200 at 256M elements, in
-// turns with the kernel without them: 0.79 / 0.81 / 0.56 of copy against 0.76 / 0.73 / 0.55 (time 0.96x / 0.90x /
-// 0.99x); each hint alone gave about half of that; three rounds ahead, or 16 rounds a block, no better.
+// instead of waiting on DRAM (asked at a round's start for the next round, the addresses held registers: spills). On
+// one H200 at 256M elements, in turns with the kernel without them (fp32-master, remainder, stochastic int8): 0.79 /
+// 0.81 / 0.56 of copy against 0.76 / 0.73 / 0.55, time 0.96x / 0.90x / 0.99x; the evict-first hint alone 1.02x / 0.97x
+// / 0.98x, the prefetch alone 0.98x / 0.93x / 1.01x; three rounds ahead, or 16 rounds a block, no better.
 constexpr int kWarps = 8, kRounds = 8, kBlocksPerSM = 4;
 
 template <class T> __device__ __forceinline__ void load8(const void* p, int64_t i, bool vec, T (&x)[8]) {
