@@ -808,18 +808,18 @@ static float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
   return other;
 }
 
-// the 8-bit kernel's L2 prefetches ([Note: the 8-bit kernel's memory hints]): each address asked for, in order
+// the 8-bit kernel's L2 prefetches ([Note: the 8-bit kernel's memory hints]): each address the last launch asked for
 static std::vector<const void*> prefetched;
 #define HOST_PREFETCH(p) prefetched.push_back(p)
-extern "C" int64_t host_prefetches(const void** out, int64_t capacity) {  // copies them out and forgets them
+extern "C" int64_t host_prefetches(const void** out, int64_t capacity) {  // copies them out
   const int64_t n = (int64_t)prefetched.size();
   for (int64_t i = 0; i < n && i < capacity; ++i) out[i] = prefetched[i];
-  prefetched.clear();
   return n;
 }
 
 template <class Kernel, class... Args>
 static void host_launch(Kernel kernel, unsigned grid, unsigned block, Args... args) {
+  prefetched.clear();  // the last launch's only
   fibers.resize(block); stacks.resize(block * kStack); finished.assign(block, 0);
   thread_body = [&] { kernel(args...); };
   blockDim = dim3(block);
@@ -907,7 +907,7 @@ def test_the_8bit_kernels_l2_prefetches_ask_for_the_blocks_of_the_rounds_to_come
     """The CUDA-only prefetch ([Note: the 8-bit kernel's memory hints]) takes addresses a CPU can check: run on the host,
     the kernel asks, for every stream it reads, for the 8 elements of each lane of each warp's block of rounds 1-7 of
     its CUDA block that exist (n = 96 quantization blocks: 1.5 CUDA blocks of 8 warps x 8 rounds), nothing past a
-    stream's end and nothing of round 0 (no round before it to ask during)."""
+    stream's end, nothing of round 0 (no round before it to ask during), and nothing of a stream it only writes."""
     n = 256 * 96
     shard = Shard(n, weights, "uint8")
     grad = torch.randn(n)
@@ -915,11 +915,10 @@ def test_the_8bit_kernels_l2_prefetches_ask_for_the_blocks_of_the_rounds_to_come
     shard.step("cuda-emulated", grad, step=1, **hp)
     lib = ctypes.CDLL(str(cuda_on_host_path()))  # the library the step ran: dlopen gives the loaded one
     lib.host_prefetches.restype = ctypes.c_int64
-    assert lib.host_prefetches(None, 0) > 0  # step 1 asked for some; now forgotten
-    shard.step("cuda-emulated", grad, step=2, **hp)
     buf = (ctypes.c_void_p * 100_000)()
     count = lib.host_prefetches(buf, len(buf))
     assert 0 < count <= len(buf)
+    reads_param = weights != "fp32+bf16param"  # an fp32 master's param is written, never read: not prefetched
     streams = {name: t for name, t in (("exp_avg", shard.exp_avg), ("exp_avg_sq", shard.exp_avg_sq), ("grad", grad),
                                        ("master", shard.master), ("param", shard.param)) if t is not None}
     asked = {name: [] for name in streams}
@@ -934,7 +933,7 @@ def test_the_8bit_kernels_l2_prefetches_ask_for_the_blocks_of_the_rounds_to_come
     rounds_to_come = [((cuda_block * 8 + r) * 8 + warp) for cuda_block in (0, 1) for r in range(1, 8) for warp in range(8)]
     expected = sorted(b * 256 + 8 * lane for b in rounds_to_come if b < 96 for lane in range(32))
     for name in streams:
-        assert sorted(asked[name]) == expected, name
+        assert sorted(asked[name]) == (expected if name != "param" or reads_param else []), name
 
 
 @pytest.mark.parametrize("archs, gpu, built", [("8.0", (9, 0), ["80", "90"]), ("9.0a", (9, 0), ["90a"]),

@@ -58,7 +58,9 @@ __global__ void adamw_kernel(const AdamWArgs a, int64_t begin, int64_t end) {
 // instead of waiting on DRAM (asked at a round's start for the next round, the addresses held registers: spills). On
 // one H200 at 256M elements, in turns with the kernel without them (fp32-master, remainder, stochastic int8): 0.79 /
 // 0.81 / 0.56 of copy against 0.76 / 0.73 / 0.55, time 0.96x / 0.90x / 0.99x; the evict-first hint alone 1.02x / 0.97x
-// / 0.98x, the prefetch alone 0.98x / 0.93x / 1.01x; three rounds ahead, or 16 rounds a block, no better.
+// / 0.98x, the prefetch alone 0.98x / 0.93x / 1.01x; three rounds ahead, or 16 rounds a block, no better. The build
+// timed also prefetched the fp32-master mode's bf16 param, which that mode only writes (2 bytes an element read for
+// nothing); it no longer does, untimed.
 constexpr int kWarps = 8, kRounds = 8, kBlocksPerSM = 4;
 
 template <class T> __device__ __forceinline__ void load8(const void* p, int64_t i, bool vec, T (&x)[8]) {
@@ -106,12 +108,14 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
   __syncthreads();
   const int lane = threadIdx.x % 32;
   bool bad = false;
-  const auto prefetch_round = [&](int r) {  // this warp's block of round r, if there is one: [Note: ... memory hints]
+  // this warp's block of round r, if there is one, the streams it reads: [Note: the 8-bit kernel's memory hints]
+  const auto prefetch_round = [&](int r) {
     const int64_t b = ((int64_t)blockIdx.x * kRounds + r) * kWarps + threadIdx.x / 32;
     if (r < kRounds && b < a.n / 256) {
       const int64_t j = b * 256 + 8 * lane;
       prefetch8<uint8_t>(a.exp_avg, j); prefetch8<uint8_t>(a.exp_avg_sq, j); prefetch8<G>(a.grad, j);
-      prefetch8<M>(a.master, j); prefetch8<P>(a.param, j);
+      prefetch8<M>(a.master, j);
+      if constexpr (W::reads_param) prefetch8<P>(a.param, j);  // an fp32 master's param is only written
     }
   };
   prefetch_round(1);
