@@ -8,69 +8,91 @@ and fraction of the copy bandwidth measured in the same run (bench.copy_bandwidt
 
     DEV=cuda python .ci/kernel_variants.py out-var/base out-var/try1 out-var/try2
 """
-import functools, os, sys, time
+import functools
+import os
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
+
 import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench, kernels
-dev = torch.device(os.environ.get('DEV', 'cuda')); impl = dev.type
-folders = sys.argv[1:]
-names = [f.rstrip('/').split('/')[-1] for f in folders]
-kernels.resolve_impl(impl, dev)
-t0 = time.time()
-with ThreadPoolExecutor(8) as ex:
-    libs = dict(zip(names, ex.map(lambda f: bench.library_at(f + '/csrc', impl), folders)))
-print(f'built {len(libs)} in {time.time() - t0:.0f} s', flush=True)
-hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-modes = [m for m in bench.PRECISION_MODES if m[3] == torch.uint8 or m is bench.PRECISION_MODES[0]]
+import bench  # noqa: E402
+import kernels  # noqa: E402
 
-def make(n, mode, seed=0, weird=False):
-    name, md, pd, sd, stoch = mode
-    g = torch.Generator(device=dev).manual_seed(seed)
-    w = torch.randn(n, device=dev, generator=g)
-    grad = torch.randn(n, device=dev, generator=g)
-    if weird:  # zeros, tiny and huge grads: sqrt's and the divide's slow paths, zero blocks
-        grad[: n // 8] = 0; grad[n // 8: n // 4] *= 1e-30; grad[n // 4: n // 4 + 1000] *= 1e30
-    master = None if md is None else (w.clone() if md == torch.float32 else torch.zeros(n, device=dev, dtype=md))
-    param = None if pd is None else w.to(pd)
-    state = [torch.zeros(n, device=dev, dtype=sd) for _ in range(2)]
-    am = [torch.zeros(n // 256, device=dev) for _ in range(2)] if sd == torch.uint8 else None
-    return dict(master=master, param=param, grad=grad, state=state, am=am, stoch=stoch)
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+MODES = [m for m in bench.PRECISION_MODES if m[3] == torch.uint8 or m is bench.PRECISION_MODES[0]]  # int8 + fp32
 
-def run(b, step):
-    kernels.adamw_step(b['master'], b['grad'], *b['state'], b['param'], torch.zeros(1, device=dev), decay_numel=b['grad'].numel() * 3 // 4,
-                       step=step, absmax=b['am'], impl=impl, rounding_seed=1234 if b['stoch'] else None, **hp)
 
-def flat(b):
-    ts = [b['master'], b['param'], *b['state'], *(b['am'] or [])]
-    return [t.view(torch.uint8) if t.dtype != torch.uint8 else t for t in ts if t is not None]
+def make(n, mode, device, weird=False):
+    """One shard's tensors in `mode`; weird: zero, tiny and huge grads (sqrt's and the divide's slow paths, and
+    all-zero blocks)."""
+    _, master_dtype, param_dtype, state_dtype, stochastic = mode
+    g = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(n, device=device, generator=g)
+    grad = torch.randn(n, device=device, generator=g)
+    if weird:
+        grad[:n // 8] = 0
+        grad[n // 8:n // 4] *= 1e-30
+        grad[n // 4:n // 4 + 1000] *= 1e30
+    master = None if master_dtype is None else (
+        w.clone() if master_dtype == torch.float32 else torch.zeros(n, device=device, dtype=master_dtype))
+    return dict(master=master, param=None if param_dtype is None else w.to(param_dtype), grad=grad,
+                state=[torch.zeros(n, device=device, dtype=state_dtype) for _ in range(2)],
+                absmax=[torch.zeros(n // 256, device=device) for _ in range(2)] if state_dtype == torch.uint8 else None,
+                stochastic=stochastic)
 
-ok = {}
-for name in names:
-    good = True
-    for mode in modes[1:]:
-        for weird in (False, True):
-            outs = []
-            for lib in (libs[names[0]], libs[name]):
-                b = make((1 << (20 if impl == 'cuda' else 16)) + 256 * 3, mode, weird=weird)
-                for s in range(1, 4):
-                    bench.with_library(impl, lib, functools.partial(run, b, s))
-                outs.append(flat(b))
-            good &= all(torch.equal(x, y) for x, y in zip(*outs))
-    ok[name] = good
-print('bit for bit vs', names[0], ok, flush=True)
-for n in ((1 << 24, 1 << 28) if impl == 'cuda' else (1 << 20,)):
-    fns = {}
-    for mode in modes:
-        b = make(n, mode)
-        for name in names:
-            fns[mode[0], name] = functools.partial(bench.with_library, impl, libs[name], functools.partial(run, b, 10))
-    ms = bench.time_ms(fns, dev, repeats=max(10, min(60, 2**26 // n)))
-    copy = bench.copy_bandwidth(dev, 1 << 26)
-    print(f'n {n:,} copy {copy:.0f} GB/s; ms and of-copy per variant')
-    print(f"{'mode':<32}" + ''.join(f'{nm:>14}' for nm in names))
-    for mode in modes:
-        moved = bench.bytes_moved(mode[1], mode[2], mode[3], torch.float32)
-        print(f'{mode[0]:<32}' + ''.join(f"{ms[mode[0], nm]:>8.3f} {moved * n / ms[mode[0], nm] / 1e6 / copy:>5.2f}" for nm in names), flush=True)
-    del fns, b
-    torch.cuda.empty_cache()
+
+def run(b, step, impl):
+    kernels.adamw_step(b['master'], b['grad'], *b['state'], b['param'], torch.zeros(1, device=b['grad'].device),
+                       decay_numel=b['grad'].numel() * 3 // 4, step=step, absmax=b['absmax'], impl=impl,
+                       rounding_seed=1234 if b['stochastic'] else None, **HP)
+
+
+def as_bytes(b):
+    tensors = [b['master'], b['param'], *b['state'], *(b['absmax'] or [])]
+    return [t.view(torch.uint8) for t in tensors if t is not None]
+
+
+def main(folders, device):
+    impl, names = device.type, [f.rstrip('/').split('/')[-1] for f in folders]
+    kernels.resolve_impl(impl, device)
+    t0 = time.time()
+    with ThreadPoolExecutor(8) as pool:
+        libs = dict(zip(names, pool.map(lambda f: bench.library_at(f + '/csrc', impl), folders)))
+    print(f'built {len(libs)} in {time.time() - t0:.0f} s', flush=True)
+    same = {}
+    for name in names:  # each variant against the first, bit for bit: 3 steps of every int8 mode
+        same[name] = True
+        for mode in MODES[1:]:
+            for weird in (False, True):
+                outs = []
+                for lib in (libs[names[0]], libs[name]):
+                    b = make((1 << (20 if impl == 'cuda' else 16)) + 256 * 3, mode, device, weird)
+                    for step in (1, 2, 3):
+                        bench.with_library(impl, lib, functools.partial(run, b, step, impl))
+                    outs.append(as_bytes(b))
+                same[name] &= all(torch.equal(x, y) for x, y in zip(*outs))
+    print('bit for bit vs', names[0], same, flush=True)
+    for n in ((1 << 24, 1 << 28) if impl == 'cuda' else (1 << 20,)):
+        fns = {}
+        for mode in MODES:
+            b = make(n, mode, device)
+            for name in names:
+                fns[mode[0], name] = functools.partial(bench.with_library, impl, libs[name],
+                                                       functools.partial(run, b, 10, impl))
+        ms = bench.time_ms(fns, device, repeats=max(10, min(60, 2**26 // n)))
+        copy = bench.copy_bandwidth(device, 1 << 26)
+        print(f'n {n:,} copy {copy:.0f} GB/s; ms and of-copy per variant')
+        print(f"{'mode':<32}" + ''.join(f'{name:>14}' for name in names))
+        for mode in MODES:
+            moved = bench.bytes_moved(mode[1], mode[2], mode[3], torch.float32) * n
+            print(f'{mode[0]:<32}' + ''.join(f"{ms[mode[0], name]:>8.3f} {moved / ms[mode[0], name] / 1e6 / copy:>5.2f}"
+                                             for name in names), flush=True)
+        del fns, b
+        if impl == 'cuda':
+            torch.cuda.empty_cache()
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:], torch.device(os.environ.get('DEV', 'cuda')))

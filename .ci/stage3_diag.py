@@ -130,7 +130,7 @@ def main():
     log("\n== summary (ms)")
     for k, s in summary.items():
         log(f"  {k}: " + ', '.join(f"{n} {v:.2f}" for n, v in s.items()))
-    if a.turns:
+    if a.turns and a.long:
         turns(engines, kinds, step, a, cuda, sync, log)
     if a.cprofile:
         profile_python(engines, kinds, step, a, sync, log)
@@ -141,6 +141,8 @@ def diagnose(kind, engine, step, a, cuda, sync, log):
     parts = a.parts.split(',')
     if 'A' not in parts:
         log(f"\n=== {kind}")
+        if cuda and 'B' in parts:
+            guarded(log, sync_sites, kind, engine, step, a, sync, log)
         return guarded(log, micro_timeline, engine, step, a, cuda, sync, log) if 'C' in parts and a.long else {}
     log(f"\n=== {kind}: {a.steps} steps x {a.micro} micro-steps under torch.profiler")
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -299,23 +301,25 @@ def micro_timeline(engine, step, a, cuda, sync, log):
 
 def turns(engines, kinds, step, a, cuda, sync, log):
     """a.turns rounds, each kind's long step once a round (rotated order, as bench.py zero): the median of each kind's
-    host ms a micro-step, and of each round's ratio to the first kind, which a slow spell of the host cancels out of."""
+    wall ms a micro-step (the step's wall time over its micro-steps), and of each round's ratio to the first kind,
+    which a slow spell of the host cancels out of."""
     variants = [(k, False) for k in kinds] + ([(k, True) for k in kinds] if a.ranges_ab else [])
+    users = (comm, sys.modules['zero'], sys.modules['fsdp_lite'])  # zero and fsdp_lite hold their own `traced`
     real_traced = comm.traced
-    always = lambda name: comm.record_function(name)  # noqa: E731
+    always = comm.record_function
     quiet = lambda *x, **k: None  # noqa: E731
     host = defaultdict(list)
-    for r in range(a.turns):
-        for i in range(len(variants)):
-            k, ranges = variants[(r + i) % len(variants)]
-            comm.traced = always if ranges else real_traced
-            for module in (sys.modules['zero'], sys.modules['fsdp_lite']):
-                module.traced = comm.traced
-            out = micro_timeline(engines[k], step, a, cuda, sync, quiet)
-            host[k + (' +ranges' if ranges else '')].append(out[f'wall/micro @{a.long}'])
-    comm.traced = real_traced
-    for module in (sys.modules['zero'], sys.modules['fsdp_lite']):
-        module.traced = real_traced
+    try:
+        for r in range(a.turns):
+            for i in range(len(variants)):
+                k, ranges = variants[(r + i) % len(variants)]
+                for module in users:
+                    module.traced = always if ranges else real_traced
+                out = micro_timeline(engines[k], step, a, cuda, sync, quiet)
+                host[k + (' +ranges' if ranges else '')].append(out[f'wall/micro @{a.long}'])
+    finally:
+        for module in users:
+            module.traced = real_traced
     first = list(host)[0]
     log(f"\n== {a.turns} rounds in turns, {a.long} micro-steps a step: wall ms a micro-step, median (each round's ratio "
         f"to {first}, median, min-max)")
