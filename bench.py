@@ -197,42 +197,80 @@ def with_library(impl, library, fn):
         kernels._LIBRARIES[impl] = ours
 
 
+def mode_shard(mode, n, device, weights):
+    """One shard's tensors in a storage-precision mode, for adamw_step: (master, param, exp_avg, exp_avg_sq, absmax)."""
+    _, master_dtype, param_dtype, state_dtype, _ = mode
+    master = None if master_dtype is None else torch.zeros(n, device=device, dtype=master_dtype)
+    param = None if param_dtype is None else weights.to(param_dtype)
+    state = [torch.zeros(n, device=device, dtype=state_dtype) for _ in range(2)]
+    absmax = [torch.zeros(n // 256, device=device) for _ in range(2)] if state_dtype == torch.uint8 else None
+    return master, param, *state, absmax
+
+
+def mode_step(mode, shard, grad, step, impl):
+    master, param, exp_avg, exp_avg_sq, absmax = shard
+    kernels.adamw_step(master, grad, exp_avg, exp_avg_sq, param, torch.zeros(1, device=grad.device),
+                       decay_numel=grad.numel() * 3 // 4, step=step, absmax=absmax, impl=impl,
+                       rounding_seed=1234 if mode[4] else None, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
+                       weight_decay=0.1)
+
+
+def same_bits(impl, library, device, n=2**16):
+    """The modes in which `library` leaves every state tensor bit for bit as ours does after 3 steps (normal grads,
+    and zero, tiny and huge ones: sqrt's and the divide's slow paths, all-zero blocks)."""
+    torch.manual_seed(1)
+    weights, grad = torch.randn(n, device=device), torch.randn(n, device=device)
+    grad[:n // 8] = 0
+    grad[n // 8:n // 4] *= 1e-30
+    grad[n // 4:n // 4 + 1000] *= 1e30
+    as_bytes = lambda shard: [t.view(torch.uint8) for t in (*shard[:4], *(shard[4] or [])) if t is not None]  # noqa: E731
+    same = []
+    for mode in PRECISION_MODES:
+        ours, theirs = mode_shard(mode, n, device, weights), mode_shard(mode, n, device, weights)
+        for step in (1, 2, 3):
+            mode_step(mode, ours, grad, step, impl)
+            with_library(impl, library, functools.partial(mode_step, mode, theirs, grad, step, impl))
+        if all(torch.equal(a, b) for a, b in zip(as_bytes(ours), as_bytes(theirs))):
+            same.append(mode[0])
+    return same
+
+
 def bench_modes(device, sizes, grad_dtype, against=None):
+    """Every mode against the fp32-master step; `against`: REV[,REV...], each a git revision or a folder of csrc/'s
+    files (library_at), built and timed in turns with ours, first checked bit for bit against ours (same_bits)."""
     impl = kernels.resolve_impl("auto", device)
     if against and impl == "reference":
         raise SystemExit(f"--against needs the {device.type} kernel, and it does not build here (see the warning)")
-    baseline = library_at(against, impl) if against else None
+    baselines = {rev: library_at(rev, impl) for rev in against.split(",")} if against else {}
+    for rev, library in baselines.items():
+        same = same_bits(impl, library, device)
+        print(f"{rev}: the same bits as ours after 3 steps in " + (
+            "every mode" if len(same) == len(PRECISION_MODES) else f"{len(same)} of {len(PRECISION_MODES)} modes, "
+            f"not in: {', '.join(m[0] for m in PRECISION_MODES if m[0] not in same)}"))
     copy_gbs = copy_bandwidth(device, max(sizes + [2**26]))  # >= 256 MB each way: bigger than any cache
     print(f"device {device}" + (f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else
           f" ({torch.cuda.get_device_name(device)})"), f"| impl {impl} | grads {grad_dtype}",
           f"| copy bandwidth {copy_gbs:.1f} GB/s")
     print("ratio: time / the first row's time on the same n; of copy: the mode's bytes / time, over the copy bandwidth"
-          + (f"; vs {against}: time / the time of the kernel at {against}" if against else ""))
+          + "".join(f"; vs {rev}: time / the time of the kernel at {rev}" for rev in baselines))
     print(f"{'n':>11} {'mode':<31} {'B/elem':>7} {'ms':>8} {'ratio':>6} {'of copy':>8}"
-          + (f" {against + ' ms':>12} {'vs ' + against:>12}" if against else ""))
-    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+          + "".join(f" {rev + ' ms':>12} {'vs ' + rev:>12}" for rev in baselines))
     for n in sizes:
         n = n // 256 * 256  # int8 state works in blocks of 256
         torch.manual_seed(0)
         weights, grad = torch.randn(n, device=device), torch.randn(n, device=device).to(grad_dtype)
         fns = {}
-        for name, master_dtype, param_dtype, state_dtype, stochastic in PRECISION_MODES:
-            master = None if master_dtype is None else torch.zeros(n, device=device, dtype=master_dtype)
-            param = None if param_dtype is None else weights.to(param_dtype)
-            state = [torch.zeros(n, device=device, dtype=state_dtype) for _ in range(2)]
-            absmax = [torch.zeros(n // 256, device=device) for _ in range(2)] if state_dtype == torch.uint8 else None
-            fns[name] = functools.partial(kernels.adamw_step, master, grad, *state, param, torch.zeros(1, device=device),
-                                          decay_numel=n * 3 // 4, step=10, absmax=absmax, impl=impl,
-                                          rounding_seed=1234 if stochastic else None, **hp)
-            if baseline:
-                fns[name, against] = functools.partial(with_library, impl, baseline, fns[name])
+        for mode in PRECISION_MODES:
+            fns[mode[0]] = functools.partial(mode_step, mode, mode_shard(mode, n, device, weights), grad, 10, impl)
+            for rev, library in baselines.items():
+                fns[mode[0], rev] = functools.partial(with_library, impl, library, fns[mode[0]])
         ms = time_ms(fns, device, repeats=max(10, min(100, 2**26 // n)))
         for name, master_dtype, param_dtype, state_dtype, _ in PRECISION_MODES:
             moved = bytes_moved(master_dtype, param_dtype, state_dtype, grad_dtype)
             of_copy = moved * n / ms[name] / 1e6 / copy_gbs
             print(f"{n:>11,} {name:<31} {moved:>7.2f} {ms[name]:>8.2f} {ms[name] / ms[PRECISION_MODES[0][0]]:>6.2f} "
-                  f"{of_copy:>8.2f}" + (f" {ms[name, against]:>12.2f} {ms[name] / ms[name, against]:>12.2f}"
-                                        if baseline else ""))
+                  f"{of_copy:>8.2f}" + "".join(f" {ms[name, rev]:>12.2f} {ms[name] / ms[name, rev]:>12.2f}"
+                                               for rev in baselines))
         del fns
 
 # ----------------------------------------------------------------------------
@@ -251,7 +289,7 @@ if __name__ == "__main__":
                         help="kernels: time every storage-precision mode against the fp32-master step instead")
     parser.add_argument("--against", default=None, metavar="REV",
                         help="kernels --modes: also time the kernel built from csrc/ at git revision REV (or from the "
-                             "folder REV), in turns")
+                             "folder REV; several: REV,REV,...), in turns, after a bit-for-bit check against ours")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
                         help="kernels: where to run (zero takes its device from the config: --set device=cuda)")
     bench_zero.add_arguments(parser)

@@ -1228,3 +1228,29 @@ def test_bench_kernels_modes_against_a_commit_runs_that_commits_kernel_in_turns(
     with pytest.raises(SystemExit, match="--against no-such-rev: git cannot show csrc/"):
         bench.library_at("no-such-rev", "cpu")
     assert bench.library_at(str(kernels.CSRC), "cpu").lib._name == str(kernels.cache_path("cpu"))  # a folder: csrc/
+
+
+def test_bench_modes_against_several_kernels_checks_each_bit_for_bit_first(tmp_path):
+    # --against A,B: a pair of columns per kernel, after bench.same_bits names the modes each leaves bit for bit as
+    # ours does. A kernel whose stochastic rounding key skips one mix must differ in exactly the two stochastic modes.
+    import bench
+    other = tmp_path / "csrc"
+    shutil.copytree(kernels.CSRC, other)
+    common = (other / "adamw_common.h").read_text()
+    assert "return lowbias32(lowbias32(seed) ^ step);" in common
+    (other / "adamw_common.h").write_text(common.replace("lowbias32(lowbias32(seed) ^ step)", "lowbias32(seed ^ step)"))
+    out = subprocess.run([sys.executable, "bench.py", "kernels", "--device", "cpu", "--sizes", "4K", "--modes",
+                          "--against", f"HEAD,{other}"], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "HEAD: the same bits as ours after 3 steps in every mode" in lines
+    stochastic = [m[0] for m in bench.PRECISION_MODES if m[4]]
+    n = len(bench.PRECISION_MODES)
+    differ = f"{n - 2} of {n} modes, not in: {', '.join(stochastic)}"
+    assert f"{other}: the same bits as ours after 3 steps in {differ}" in lines
+    header = next(line for line in lines if line.split()[:2] == ["n", "mode"])
+    assert "vs HEAD" in header and header.rstrip().endswith(f"vs {other}")  # a pair of columns per kernel
+    rows = [line for line in lines if line.strip().startswith("4,096")]
+    assert len(rows) == n
+    assert all(0.0 < float(row.split()[i]) < 100.0 for row in rows for i in (-1, -3))  # vs HEAD and vs the other
