@@ -5,6 +5,10 @@ same model, seed and batches, in one run (2 gloo ranks on CPU, config/shakespear
     torchrun --standalone --nproc_per_node=2 bench.py zero
     torchrun --standalone --nproc_per_node=2 bench.py zero --rounds=10 --kinds=ddp,zero2,zero3,fsdp2
     torchrun --standalone --nproc_per_node=2 bench.py zero --config=config/shakespeare_cpu.py --set n_layer=8
+    torchrun --standalone --nproc_per_node=2 bench.py zero --kinds=zero2,zero3,zero3:blocks_per_unit=2
+
+A kind may carry settings of its own after a colon (kind:key=value:key=value, train.py's keys): the same kind under
+two settings takes turns like any two kinds.
 
 Per kind: the median step time (what train.py's loop does per iteration at a fixed lr: train.train_batches, this
 rank's gradient_accumulation_steps / world micro-batches, then train.train_step; the slowest rank; ours and DDP built
@@ -89,6 +93,7 @@ class TorchEngine:
 def build(kind, cfg, device):
     """The engine of one kind: ours and DDP exactly as train.py builds them (train.build: on the meta device for
     stages 1-3, compiled as train.py compiles them); torch's from the same weights, compiled alike."""
+    kind, cfg = settings_of(kind, cfg)
     args = train.model_args(cfg, train.vocab_size(cfg))
     if kind == 'ddp' or kind.startswith('zero'):
         return train.build({**cfg, 'zero_stage': 0 if kind == 'ddp' else int(kind[-1])}, device, args)[1]
@@ -113,6 +118,12 @@ def build(kind, cfg, device):
     if cfg['compile']:  # FSDP2 per unit, as our stages 1-3; DDP + ZeroRedundancyOptimizer whole, as our stage 0
         train.compile_model(model, engine)
     return engine
+
+
+def settings_of(kind, cfg):
+    """'zero3:blocks_per_unit=2' -> ('zero3', cfg with blocks_per_unit=2), checked as train.py checks --key=value."""
+    kind, *sets = kind.split(':')
+    return kind, train.parse_config([f'--{s}' for s in sets], defaults=cfg)
 
 
 def model_state_bytes(engine):
@@ -192,7 +203,7 @@ def meter_transient(engine, peak):
     def sample(*_):
         peak[0] = max(peak[0], transient_bytes(engine))
     handles = [p.register_post_accumulate_grad_hook(sample) for p in engine.module.parameters() if p.requires_grad]
-    return handles + [u.module.register_forward_pre_hook(sample) for u in getattr(engine, 'units', [])]
+    return handles + [u.first.register_forward_pre_hook(sample) for u in getattr(engine, 'units', [])]
 
 # -----------------------------------------------------------------------------
 # the benchmark
@@ -203,8 +214,9 @@ def bench_zero(args):
     device, rank, world_size = train.setup_distributed(cfg)
     train.check_config(cfg, world_size)
     kinds = args.kinds.split(',')
-    if set(kinds) - set(KINDS):
-        raise ValueError(f"unknown kinds {sorted(set(kinds) - set(KINDS))}: choose from {','.join(KINDS)}")
+    if {k.split(':')[0] for k in kinds} - set(KINDS):
+        raise ValueError(f"unknown kinds {sorted({k.split(':')[0] for k in kinds} - set(KINDS))}: choose from "
+                         f"{','.join(KINDS)} (a kind may add its own settings: zero3:blocks_per_unit=2)")
     train.prepare_data(cfg, rank)
     data = train.load_split(train.data_dir(cfg), 'train')
     drawn = [0]  # iterations drawn so far: every kind trains on the same iterations' batches
@@ -289,6 +301,12 @@ NOTES = """\
   on CUDA, exposed time is not the host's: wait() only orders streams)."""
 
 
+def references(kind):
+    """The kinds a kind is compared with: its torch counterparts, and its own kind where it carries settings."""
+    base = kind.split(':')[0]
+    return REFERENCES.get(base, ()) + ((base,) if base != kind else ())
+
+
 def paired_ratio(times, ref):
     """(p25, median, p75) over rounds of times / ref, (rounds,) each: the two kinds of a pair ran back to back in every
     round, so a slow spell of a shared machine slows both and drops out of their ratio."""
@@ -321,7 +339,7 @@ def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):
         state = every[:, k, 0] / MB
         cells = [kind, f"{step * 1e3:.0f} ({p25[k] * 1e3:.0f}-{p75[k] * 1e3:.0f})",
                  ratio(kind, 'ddp') if 'ddp' in kinds else '–',
-                 ', '.join(f"{ratio(kind, ref)} {ref}" for ref in REFERENCES.get(kind, ()) if ref in kinds) or '–',
+                 ', '.join(f"{ratio(kind, ref)} {ref}" for ref in references(kind) if ref in kinds) or '–',
                  f"{state.max():.1f}" + (f" (min {state.min():.1f})" if state.max() > 1.01 * state.min() else '')]
         if ours(engines[kind]):
             e, a = exposed[k].quantile(0.5).item(), alone[k].quantile(0.5).item()
@@ -343,7 +361,8 @@ def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):
         if ours(engine) and engine.cfg.stage >= 2:
             line += f"; live at peak: {engine.peak_grad_buffers} bucket grad buffers"
         if ours(engine) and engine.cfg.stage == 3:
-            line += f", {engine.units[0].schedule.peak_live} unsharded blocks + the root"
+            k = engine.cfg.blocks_per_unit
+            line += f", {engine.units[0].schedule.peak_live} unsharded units of {k} block{'s' * (k > 1)} + the root"
         print(f"  {kind:<20} {line}")
     rss = ', '.join(f"rank {r} {every[r, K, 0] / MB:.0f}" for r in range(world_size))
     print(f"peak RSS MB: {rss}. Every kind lives in each process: their model states (rank 0: "

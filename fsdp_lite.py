@@ -81,7 +81,10 @@ class Schedule:
 class Unit:
 
     def __init__(self, module, bucket, sharded_param, comm, cfg, schedule, is_root):
+        """module: the model (the root), or a ModuleList of consecutive blocks ([Note: blocks per unit])."""
         self.module, self.bucket, self.comm, self.schedule = module, bucket, comm, schedule
+        # the unit is gathered before its first block runs and may go after its last: the hooks go there
+        self.first, self.last = (module[0], module[-1]) if isinstance(module, torch.nn.ModuleList) else (module, module)
         self.sharded_param, self.is_root = sharded_param, is_root  # (shard_numel,), zero.py's
         # the root is needed at both ends of forward and at both ends of backward: never reshard it early
         self.reshard_after_forward = cfg.reshard_after_forward and not is_root
@@ -96,8 +99,8 @@ class Unit:
         assert not self.lends_shard or self.shard_nbytes == sharded_param.numel() * sharded_param.element_size(), \
             "a sharded param gathered as it is must have a storage of its own (zero.py: a tensor per unit)"
         self.state, self.work = State.SHARDED, None
-        module.register_forward_pre_hook(self._pre_forward)
-        module.register_forward_hook(self._post_forward)
+        self.first.register_forward_pre_hook(self._pre_forward)
+        self.last.register_forward_hook(self._post_forward)
 
     # --- the three states
 
@@ -180,10 +183,35 @@ class Unit:
         self.reshard()
 
 
+def group_blocks(blocks, per_unit):
+    """[Note: blocks per unit] A unit is stage 3's grain: per micro-step one all-gather before its forward, one before
+    its backward (with reshard_after_forward) and one reduce-scatter after it. Each collective costs a fixed host time
+    and a link latency whatever its size (on an H200's host ~120 us of Python and C++ per NCCL call, for a 14 MB
+    block's all-gather as for a 28 MB reduce-scatter), and stage 3 makes ~3 a block where stage 2 makes ~1 a
+    bucket: compiled GPT-2 124M ran host-bound there (README, "Measured: speed"). blocks_per_unit=k gathers k
+    consecutive blocks as one unit: the same bytes in 1/k as many collectives (and casts, hooks and waits), for k
+    blocks' params unsharded at a time instead of one ((prefetch + 1) k with prefetch). k=1 is FSDP2's layout when
+    fully_shard is called per block, the oracle's; FSDP2 users group blocks by calling it on a group of them, DeepSpeed
+    sizes its prefetch by bytes (stage3_prefetch_bucket_size). The math does not change: only the grad norm's sum
+    runs in another order (per bucket, then over buckets)."""
+    blocks = list(blocks)
+    return [torch.nn.ModuleList(blocks[i:i + per_unit]) for i in range(0, len(blocks), per_unit)]
+
+
 def fully_shard(triples, root, comm, cfg):
     """triples: (module, zero.Bucket, sharded param) per unit; root: the model, whose unit holds the leftover params."""
     schedule = Schedule(cfg.prefetch)
     return [Unit(m, b, s, comm, cfg, schedule, is_root=m is root) for m, b, s in triples]
+
+
+def describe(units, cfg):
+    """train.py's startup line for stage 3: its units and the collectives a micro-step issues."""
+    blocks = sorted({len(u.module) for u in units if not u.is_root})
+    n = sum(not u.is_root for u in units)
+    gathers = len(units) + n * cfg.reshard_after_forward  # each unit's forward, then backward's re-gathers
+    return (f"stage 3: {n} units of {'-'.join(map(str, blocks))} block{'s' * (max(blocks, default=0) > 1)} + the root "
+            f"(blocks_per_unit={cfg.blocks_per_unit}), prefetch {cfg.prefetch}: {gathers} all-gathers and {len(units)} "
+            f"reduce-scatters a micro-step")
 
 
 def finish_backward(units):

@@ -144,7 +144,8 @@ def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, act=NO_ACTI
     then their sum beside the root's grad buffer (stages 2/3; stage 1 adds it into the full flat_grad).
     Stage 3 also holds gathered units, less their own shards where a gathered unit frees them (fsdp_lite [Note: a
     gathered unit holds its shard once]): the root from its forward to the end of backward; in (B) the `prefetch`
-    blocks the root's pre-backward gathers, in (C) prefetch + 1 blocks; every block, without reshard_after_forward.
+    units the root's pre-backward gathers, in (C) prefetch + 1 units; every block, without reshard_after_forward. A
+    unit is blocks_per_unit blocks (fsdp_lite [Note: blocks per unit]): block_numel is the largest unit's numel.
     Not modelled: a block's backward temporaries beyond the ~8 values per token and channel Activations.block counts, the
     all-gather input's cast, stage 0's bf16 copy of fp32 params under autocast, allocator slack."""
     r, p = cfg.reduce_dtype.itemsize, cfg.param_dtype.itemsize if stage > 0 else 4  # stage 0: DDP's fp32 params
@@ -196,7 +197,8 @@ def lowest_stage_that_fits(model, zcfg, world, tokens, limit_bytes, checkpointin
 
     def pick(ck):
         act = activations(c.n_layer, c.n_embd, c.vocab_size, tokens, zcfg.param_dtype.itemsize, ck)
-        return pick_stage(stage_estimates(psi, world, zcfg, act, *unit_sizes(model, model.transformer.h)), limit_bytes)
+        units = unit_sizes(model, model.transformer.h, zcfg.blocks_per_unit)
+        return pick_stage(stage_estimates(psi, world, zcfg, act, *units), limit_bytes)
     (stage, line), (other, _) = pick(checkpointing), pick(not checkpointing)
     if checkpointing and stage is not None and (other is None or other > stage):
         line += f"; activation_checkpointing=True is what makes stage {stage} fit (without it: {'none' if other is None else other})"
@@ -222,11 +224,13 @@ def device_memory_bytes(device, memory_gb=0.0):
     return least.item()
 
 
-def unit_sizes(model, units):
-    """(numel of the largest unit, numel of the root: what no unit holds), trainable params only."""
-    blocks = [sum(p.numel() for p in u.parameters() if p.requires_grad) for u in units]
+def unit_sizes(model, blocks, per_unit=1):
+    """(numel of the largest unit, numel of the root: what no unit holds), trainable params only; per_unit consecutive
+    blocks to a unit (fsdp_lite [Note: blocks per unit])."""
+    sizes = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks]
+    units = [sum(sizes[i:i + per_unit]) for i in range(0, len(sizes), per_unit)]
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return max(blocks, default=0), total - sum(blocks)
+    return max(units, default=0), total - sum(sizes)
 
 # -----------------------------------------------------------------------------
 # the startup table: counted next to estimated
@@ -327,7 +331,7 @@ def main(argv):
         with torch.device('meta'):
             model = GPT(GPTConfig(**train.model_args(cfg, train.vocab_size(cfg))))
         psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        block, root = unit_sizes(model, model.transformer.h)
+        block, root = unit_sizes(model, model.transformer.h, zcfg.blocks_per_unit)
         act = activations(cfg['n_layer'], cfg['n_embd'], model.config.vocab_size, cfg['batch_size'] * cfg['block_size'],
                           zcfg.param_dtype.itemsize, cfg['activation_checkpointing'])
     print(estimate_table(psi, args.world, zcfg, accum, args.k))

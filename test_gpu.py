@@ -122,6 +122,8 @@ def jobs():
     out['auto'] = functools.partial(train, 'auto', *TINY, '--zero_stage=auto', *([] if GPU else ['--memory_gb=8']))
     out.update({f'compile stage {s}': functools.partial(train, f'compile{s}', *TINY, f'--zero_stage={s}', '--compile=True')
                 for s in (0, 2, 3)})
+    out['compile stage 3, 2 blocks a unit'] = functools.partial(
+        train, 'compile3-x2', *TINY, '--n_layer=3', '--zero_stage=3', '--compile=True', '--blocks_per_unit=2')
     out.update({f'precision {k}': functools.partial(train, f'precision-{i}', *TINY, f'--zero_stage={s}',
                                                     *([] if GPU else ['--dtype=bfloat16']), *args)
                 for i, (k, (s, args)) in enumerate(PRECISION.items())})
@@ -199,6 +201,13 @@ def test_compiled_stage_trains(stage):
     log = ok(f'compile stage {stage}')
     assert 'compiling with torch.compile' in log
     assert_trains(log, stage)
+
+
+def test_compiled_stage_3_with_blocks_grouped_into_units_trains():
+    """fsdp_lite [Note: blocks per unit]: 3 blocks as a unit of 2 and a unit of 1, compiled per block, on NCCL."""
+    log = ok('compile stage 3, 2 blocks a unit')
+    assert 'compiling with torch.compile' in log
+    assert_trains(log, 3)
 
 
 @pytest.mark.parametrize('key', list(PRECISION))
@@ -461,11 +470,12 @@ def test_the_head_never_holds_the_whole_batchs_fp32_logits():
     assert torch.cuda.max_memory_allocated() - base < logits / 2, torch.cuda.max_memory_allocated() - base
 
 
-def max_memory(stage, compile):
+def max_memory(stage, compile, blocks_per_unit=1):
     """GiB of train.py's `cuda max_memory_allocated` line: GPT-2 124M, bf16, world 1 (NCCL), 4 x 1024, 2 micro-steps."""
     args = [sys.executable, 'train.py', f'config/zero{stage}.py', f'--compile={compile}', '--max_iters=3',
             '--batch_size=4', '--gradient_accumulation_steps=2', '--eval_interval=1000', '--eval_iters=1',
-            '--log_interval=1', f'--out_dir=out-test-gpu/issue17-{stage}-{compile}']
+            '--log_interval=1', f'--blocks_per_unit={blocks_per_unit}',
+            f'--out_dir=out-test-gpu/issue17-{stage}-{compile}-{blocks_per_unit}']
     out = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     return float(re.findall(r'cuda max_memory_allocated after iteration 3: ([\d.]+) GiB', out.stdout)[-1])
@@ -476,6 +486,8 @@ def max_memory(stage, compile):
 def test_stage_3_max_memory_allocated_is_at_most_stage_2s(compile):
     stage2, stage3 = max_memory(2, compile), max_memory(3, compile)
     assert stage3 <= stage2, (stage2, stage3)
+    # fsdp_lite [Note: blocks per unit]: 3 blocks a unit hold (prefetch + 1) x 3 blocks unsharded, 6 of GPT-2's 12
+    assert max_memory(3, compile, blocks_per_unit=3) <= stage2
 
 # -----------------------------------------------------------------------------
 # --- issue 18: 8-bit optimizer state at memory speed

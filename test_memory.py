@@ -446,7 +446,8 @@ for overrides in json.loads(sys.argv[1]):  # rank 0 of 8, as bench.py scale buil
     act = memory.activations(cfg['n_layer'], cfg['n_embd'], train.vocab_size(cfg), cfg['batch_size'] * cfg['block_size'], 4,
                              cfg['activation_checkpointing'])
     states = sum(b for _, b in memory.model_states(zcfg.stage, engine.psi, 8, zcfg).values())
-    estimate = states + memory.transient_bytes(zcfg.stage, zcfg, *memory.unit_sizes(model, model.transformer.h), engine.psi, 8, act)
+    units = memory.unit_sizes(model, model.transformer.h, zcfg.blocks_per_unit)
+    estimate = states + memory.transient_bytes(zcfg.stage, zcfg, *units, engine.psi, 8, act)
     print(json.dumps([allocated, estimate]), flush=True)
 """
 
@@ -459,6 +460,9 @@ PEAK_SHAPES = {  # each with a different worst moment of [Note: the peak]
                                                   '--n_head=4', '--batch_size=8', '--block_size=128', '--activation_checkpointing=True'],
     'stage 3, prefetch 2: the head of a short batch': ['config/shakespeare_cpu.py', '--zero_stage=3', '--n_layer=2',
                                                                '--n_embd=128', '--n_head=2', '--batch_size=1', '--block_size=32', '--prefetch=2'],
+    'stage 3, 2 blocks a unit: gathered units, grads and buffer': [
+        'config/shakespeare_char.py', '--zero_stage=3', '--n_layer=4', '--n_embd=256', '--n_head=4', '--batch_size=1',
+        '--block_size=64', '--blocks_per_unit=2'],
 }
 
 

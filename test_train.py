@@ -45,7 +45,8 @@ def test_unknown_config_key_is_an_error_naming_the_closest_keys(tmp_path):
 
 @pytest.mark.parametrize('override, message', [
     ('--zero_stage=4', 'zero_stage=4 is not a ZeRO stage'), ('--bucket_mb=0.0', 'bucket_mb=0.0 must be > 0'),
-    ('--prefetch=-1', 'prefetch=-1'), ('--gradient_accumulation_steps=3', 'divisible by the 2 ranks'),
+    ('--prefetch=-1', 'prefetch=-1'), ('--blocks_per_unit=0', 'blocks_per_unit=0 must be >= 1'),
+    ('--gradient_accumulation_steps=3', 'divisible by the 2 ranks'),
     ('--keep_last=0', 'keep_last=0: keep at least 1 checkpoint')])
 def test_impossible_settings_are_clear_errors(override, message):
     cfg = train.parse_config([override])

@@ -188,7 +188,7 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
             twice.append(sum(u.state is fsdp_lite.State.UNSHARDED and u.sharded_param.untyped_storage().nbytes() > 0
                              for u in engine.units))
         for u in blocks:
-            u.module.register_forward_pre_hook(sample)
+            u.first.register_forward_pre_hook(sample)
     data = torch.Generator().manual_seed(1234)
     losses, norms, scales = [], [], []
     local = accum // world_size
@@ -245,7 +245,7 @@ def record_unit_events(engine):
             return lambda *args: (method(*args), events.append((event, index)))[0]
         unit.wait_for_unshard = wrap(unit.wait_for_unshard, 'wait')
         unit._pre_backward = wrap(unit._pre_backward, 'backward')  # registered anew at every forward
-        unit.module.register_forward_pre_hook(lambda *_, i=unit.bucket.index: events.append(('forward', i)))
+        unit.first.register_forward_pre_hook(lambda *_, i=unit.bucket.index: events.append(('forward', i)))
     return events
 
 
@@ -290,6 +290,8 @@ def oracle_runs(world_size):
     jobs = [dict(kind=kind, accum=a) for a in accums for kind in ('ddp', 'zero1', 'zero2', 'zero3', 'fsdp2')]
     jobs += [dict(kind='zero3', accum=accums[1], prefetch=d, reshard_after_forward=r) for d in (0, 2) for r in (True, False)]
     jobs += [dict(kind=k, accum=accums[1], bucket_mb=0.001) for k in ('zero1', 'zero2')]  # one param per bucket
+    if world_size in (2, 3):  # TINY's 3 blocks as units of 2 + 1 and of 3: fsdp_lite [Note: blocks per unit]
+        jobs += [dict(kind='zero3', accum=accums[1], blocks_per_unit=k, trace=True) for k in (2, 3)]
     if world_size == 2:  # built and stepped under another default device: a tensor made without its device lands there
         jobs += [dict(kind=k, accum=accums[1], default_device='meta') for k in ('zero1', 'zero2', 'zero3')]
     try:
@@ -461,6 +463,23 @@ def test_zero3_prefetch_depth_and_reshard_after_forward_do_not_change_numbers(wo
             if reshard:
                 assert other['peak_live'] <= prefetch + 1  # unsharded block units at once
     assert base['peak_live'] <= 2
+
+
+@pytest.mark.parametrize('world_size', [2, 3])
+def test_zero3_with_blocks_grouped_into_units_matches_ddp_in_fewer_collectives_of_the_same_bytes(world_size):
+    """fsdp_lite [Note: blocks per unit]: TINY's 3 blocks as units of 2 + 1, and as one unit of 3. The run is DDP's,
+    the elements sent those of a unit per block (less pads), and each micro-step all-gathers every unit in forward and
+    every block unit again in backward (reshard_after_forward): 2 * 2 + 1 and 2 * 1 + 1 all-gathers, not 2 * 3 + 1."""
+    accum = 2 * world_size  # 2 micro-steps per rank
+    ddp, per_block = get(world_size, kind='ddp', accum=accum), get(world_size, kind='zero3', accum=accum)
+    for k, units in ((2, 2), (3, 1)):
+        run = get(world_size, kind='zero3', accum=accum, blocks_per_unit=k, trace=True)
+        assert_same_run(run, ddp)
+        assert run['n_buckets'] == units + 1  # + the root's
+        for kind, numel in per_block['comm'].items():  # the same elements, less the pads of fewer units (0.1%); one
+            assert 0.99 * numel <= run['comm'][kind] <= numel, (kind, run['comm'][kind], numel)  # block: 30% of them
+        assert sum(event == 'gather' for event, _ in run['events']) == 2 * (2 * units + 1)
+        assert run['peak_live'] <= 2 and run['peak_resident'] <= 2  # prefetch 1: two units at once, as before
 
 
 @pytest.mark.parametrize('prefetch', [1, 2])

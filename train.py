@@ -75,6 +75,7 @@ bucket_mb = 25.0  # stage 1/2 grad bucket size
 reduce_dtype = 'float32'  # grads are reduced in this dtype ('float32' or 'bfloat16')
 prefetch = 1  # stage 3: all-gathers in flight ahead of compute (0 = off)
 reshard_after_forward = True  # stage 3: free each block's params after its forward (False: 2Ψ traffic, more memory)
+blocks_per_unit = 1  # stage 3: blocks gathered together (fewer, larger collectives; more params unsharded at once)
 activation_checkpointing = False  # keep only each block's input, recompute its forward in backward (fsdp_lite)
 optimizer_impl = 'auto'  # fused AdamW kernel: 'auto', 'reference', 'cpu', 'cuda'
 # what ZeRO's optimizer stores (kernels.Precision; stages 1-3)
@@ -295,7 +296,8 @@ def zero_config(cfg):
                       reduce_dtype=getattr(torch, cfg['reduce_dtype']), bucket_mb=cfg['bucket_mb'],
                       weight_decay=cfg['weight_decay'], beta1=cfg['beta1'], beta2=cfg['beta2'],
                       grad_clip=cfg['grad_clip'], optimizer_impl=cfg['optimizer_impl'], prefetch=cfg['prefetch'],
-                      reshard_after_forward=cfg['reshard_after_forward'], precision=precision, seed=cfg['seed'])
+                      reshard_after_forward=cfg['reshard_after_forward'], blocks_per_unit=cfg['blocks_per_unit'],
+                      precision=precision, seed=cfg['seed'])
 
 
 def choose_stage(cfg, device, world_size, args):
@@ -367,6 +369,8 @@ def main(cfg):
         f"{cfg['batch_size']} batch * {cfg['block_size']} tokens")
     log(f"params: {model.get_num_params() / 1e6:.2f}M, optimizer: {optimizer}")
     log(memory.startup_table(engine, world_size))
+    if cfg['zero_stage'] == 3:
+        log(fsdp_lite.describe(engine.units, engine.cfg))
     warning = engine.cfg.precision.warning()
     if warning:
         log(f"warning: {warning}")

@@ -118,6 +118,7 @@ class ZeroConfig:
     optimizer_impl: str = 'auto'  # kernels.adamw_step: 'auto' | 'reference' | 'cpu' | 'cuda'
     prefetch: int = 1  # stage 3: all-gathers kept in flight ahead of compute; 0 = off
     reshard_after_forward: bool = True  # stage 3: free each block's params after its forward
+    blocks_per_unit: int = 1  # stage 3: consecutive blocks gathered as one unit (fsdp_lite [Note: blocks per unit])
     precision: kernels.Precision = field(default_factory=kernels.Precision)  # what the optimizer stores
     seed: int = 0  # stochastic rounding's counter-based hash starts from it
 
@@ -128,6 +129,8 @@ class ZeroConfig:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0 (a bucket holds at least one param)")
         if self.prefetch < 0:
             raise ValueError(f"prefetch={self.prefetch} must be >= 0 (0 turns prefetching off)")
+        if self.blocks_per_unit < 1:
+            raise ValueError(f"blocks_per_unit={self.blocks_per_unit} must be >= 1 (1: a unit per block, as FSDP2)")
         if self.stage == 0 and self.precision != kernels.Precision():
             raise ValueError("master_weights / state_dtype / stochastic_rounding choose what ZeRO's fused step "
                              "stores: use zero_stage=1, 2 or 3 (stage 0 is torch's AdamW on fp32 params)")
@@ -472,6 +475,7 @@ class Zero3(Zero2):
 
     def plan_buckets(self, model, params, units):
         # one bucket per unit, in the order backward finishes them: last block first, the root last
+        units = fsdp_lite.group_blocks(units, self.cfg.blocks_per_unit)
         unit_params = [(u, [p for p in u.parameters() if p.requires_grad]) for u in units]
         in_units = {p for _, ps in unit_params for p in ps}
         unit_params = unit_params[::-1] + [(model, [p for p in params if p not in in_units])]
@@ -520,7 +524,8 @@ def plan_buckets(params, bucket_numel, world_size, rank, align=1):
 
 
 def build_engine(model, cfg, units=(), process_group=None, device=None):
-    """units: the submodules that become fsdp_lite units in stage 3 (e.g. the transformer blocks).
+    """units: the submodules (e.g. the transformer blocks, in forward order) that become fsdp_lite units in stage 3,
+    cfg.blocks_per_unit of them to a unit.
     device: where a model built on the meta device is materialized (stages 1-3)."""
     if cfg.stage == 0:
         return DataParallel(model, cfg, process_group)
