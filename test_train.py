@@ -147,13 +147,16 @@ def test_a_run_whose_every_step_is_skipped_stops_with_one_clear_line(tmp_path):
 def test_bench_zero_runs_every_kind_from_the_same_first_step():
     # the benchmark is a claim too: it must run all six kinds, and with the same weights and batches their
     # first step must agree (fp32), or the ratios compare different work
+    # (and a kind with a setting of its own: stage 3 with both blocks as one unit)
+    kinds = ['ddp', 'ddp+zero_redundancy', 'zero1', 'zero2', 'zero3', 'fsdp2', 'zero3:blocks_per_unit=2']
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'bench.py', 'zero',
-           '--rounds=1'] + [f'--set={kv}' for kv in ('device=cpu', 'backend=gloo', 'n_layer=2', 'n_head=2', 'n_embd=32',
-                                                     'block_size=16', 'batch_size=2')]
+           '--rounds=1', f"--kinds={','.join(kinds)}"] + [f'--set={kv}' for kv in (
+               'device=cpu', 'backend=gloo', 'n_layer=2', 'n_head=2', 'n_embd=32', 'block_size=16', 'batch_size=2')]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split('|')[1].strip() for line in out.stdout.splitlines() if line.startswith('| ') and 'kind' not in line]
-    assert rows == ['ddp', 'ddp+zero_redundancy', 'zero1', 'zero2', 'zero3', 'fsdp2']
+    assert rows == kinds
+    assert re.search(r'zero3:blocks_per_unit=2 .*live at peak: .*, 1 unsharded units of 2 blocks \+ the root', out.stdout)
     first = re.search(r'first step.*loss ([\d.]+) \(spread (\S+)\), grad norm ([\d.]+) \(spread (\S+)\)', out.stdout)
     loss, loss_spread, norm, norm_spread = map(float, first.groups())
     # the norms differ by ~1e-5 relative because torch's clip_grad_norm_ does: on this model (vocab 50304) it is
