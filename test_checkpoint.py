@@ -173,6 +173,7 @@ JOBS = {
     'stage 0 on 2 -> stage 3 on 4': resave_runs(2, 0, 4, 3),
     'stage 2 on 3, one param a bucket -> stage 1 on 2': resave_runs(3, 2, 2, 1, old=dict(bucket_mb=0.001)),
     'stage 1 on 4 -> stage 2 on 4, one param a bucket': resave_runs(4, 1, 4, 2, new=dict(bucket_mb=0.001)),
+    'stage 3 on 3 -> stage 3 on 2, two blocks a unit': resave_runs(3, 3, 2, 3, new=dict(blocks_per_unit=2)),
     'memory': [Run('big', 4, 3, stop=1, save_at=(1,), measure_save=True, cfg=dict(n_layer=8, n_embd=256, n_head=4))],
     'slow writer': [Run('slow', 2, 1, stop=1, save_at=(1,), slow_write=True)],
     'litter': [Run('out', 2, 2, stop=2, save_at=(1, 2), cfg=dict(keep_last=1), litter=True)],
