@@ -209,7 +209,7 @@ def describe(units, cfg):
     blocks = sorted({len(u.module) for u in units if not u.is_root})
     n = sum(not u.is_root for u in units)
     gathers = len(units) + n * cfg.reshard_after_forward  # each unit's forward, then backward's re-gathers
-    return (f"stage 3: {n} units of {'-'.join(map(str, blocks))} block{'s' * (max(blocks, default=0) > 1)} + the root "
+    return (f"stage 3: {n} unit{'s' * (n != 1)} of {'-'.join(map(str, blocks))} block{'s' * (max(blocks, default=0) > 1)} + the root "
             f"(blocks_per_unit={cfg.blocks_per_unit}), prefetch {cfg.prefetch}: {gathers} all-gathers and {len(units)} "
             f"reduce-scatters a micro-step")
 
