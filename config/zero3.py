@@ -10,3 +10,4 @@ out_dir = 'out-zero3'
 zero_stage = 3
 prefetch = 1  # one block's all-gather in flight ahead of compute
 reshard_after_forward = True  # False: no backward re-gather (2Ψ), blocks stay gathered from forward to backward
+blocks_per_unit = 1  # 2-4: the same bytes in fewer, larger collectives, for 2-4 blocks gathered at once (fsdp_lite)
