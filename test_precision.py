@@ -5,6 +5,7 @@ last, the loss head's fp16 grads, model.py alone.
 
     python -m pytest -q test_precision.py
 """
+import functools
 import math
 import subprocess
 import sys
@@ -20,15 +21,50 @@ BF16 = dict(param_dtype=torch.bfloat16, accum=4, steps=8)
 MODES = {'remainder': Precision('remainder'), 'none': Precision('none'), 'bf16 state': Precision(state_dtype='bfloat16'),
          'int8 state': Precision(state_dtype='int8'), 'none + int8': Precision('none', 'int8'),
          'stochastic rounding': Precision('none', stochastic_rounding=True)}
+# Every test's jobs, listed above it by name, run in one spawn of 2 ranks (spawned()): a spawn costs 3-5 s here, more
+# than most jobs. A job two tests list runs once.
+JOBS = {}
+
+
+@functools.lru_cache(maxsize=None)
+def spawned():
+    """Every distinct job of JOBS in one spawn: {job: rank 0's result}, or the exception that ended the spawn."""
+    jobs = list({key(job): job for jobs in JOBS.values() for job in jobs}.values())
+    try:
+        ranks_0 = run_ranks(2, jobs)
+    except Exception as e:
+        return e
+    return {key(job): result for job, result in zip(jobs, ranks_0)}
+
+
+def key(job):
+    return tuple(sorted(job.items()))
+
+
+def results(name):
+    """Rank 0's results of the jobs JOBS[name], in order (a job that failed: its exception)."""
+    out = spawned()
+    if isinstance(out, Exception):
+        raise AssertionError("the spawn of 2 ranks died (every test of this file that trains fails)") from out
+    return [out[key(job)] for job in JOBS[name]]
+
+
+JOBS.update({f'remainder, stage {stage}': [dict(kind=f'zero{stage}', **BF16, **extra)
+                                           for extra in ({}, {'precision': MODES['remainder']})] for stage in (2, 3)})
 
 
 @pytest.mark.parametrize('stage', [2, 3])
 def test_remainder_master_is_bit_identical_to_the_fp32_master(stage):
     """bf16 params + int16 remainders are the fp32 master, exactly: same losses (difference 0) and, reconstructed,
     the same fp32 masters bit for bit. Both write the bf16 params rounded half away from zero (kernels.py)."""
-    fp32, remainder = run_ranks(2, [dict(kind=f'zero{stage}', **BF16, **extra) for extra in ({}, {'precision': MODES['remainder']})])
+    fp32, remainder = results(f'remainder, stage {stage}')
     assert_same_run(remainder, fp32, rtol=0, atol=0)
     assert remainder['populations']['master'] == (torch.int16, fp32['populations']['master'][1] // 2)
+
+
+JOBS.update({f'elementwise {mode}': [dict(kind=f'zero{s}', param_dtype=torch.bfloat16, accum=2, steps=6,
+                                          precision=MODES[mode]) for s in (1, 2, 3)]
+             for mode in ('remainder', 'none', 'bf16 state')})
 
 
 @pytest.mark.parametrize('mode', ['remainder', 'none', 'bf16 state'])
@@ -37,16 +73,18 @@ def test_an_elementwise_mode_gives_the_same_run_at_every_stage(mode):
     # the stage only changes where each element lives, not its value. Stages 1 and 2 agree bit for bit. Stage 3
     # computes on its own per-unit buffers, and its bf16 losses move off in the last digits after a few steps
     # (1.5e-5 at step 6) with the default fp32 master too: not the mode, so it is compared within bf16 noise.
-    one, two, three = run_ranks(2, [dict(kind=f'zero{s}', param_dtype=torch.bfloat16, accum=2, steps=6,
-                                         precision=MODES[mode]) for s in (1, 2, 3)])
+    one, two, three = results(f'elementwise {mode}')
     assert_same_run(two, one, rtol=0, atol=0)
     torch.testing.assert_close(torch.tensor(three['losses']), torch.tensor(two['losses']), rtol=1e-4, atol=0)
 
 
+JOBS.update({f'every stage {mode}': [dict(kind=f'zero{s}', **BF16, precision=MODES[mode]) for s in (1, 2, 3)]
+             + [dict(kind='zero1', **BF16)] for mode in MODES})  # the fp32 master
+
+
 @pytest.mark.parametrize('mode', list(MODES))
 def test_every_mode_trains_at_every_stage_and_holds_the_bytes_it_claims(mode):
-    *runs, reference = run_ranks(2, [dict(kind=f'zero{s}', **BF16, precision=MODES[mode]) for s in (1, 2, 3)]
-                                 + [dict(kind='zero1', **BF16)])  # the fp32 master
+    *runs, reference = results(f'every stage {mode}')
     start = {n: p.detach().float() for n, p in tiny_model(0).state_dict().items()}
     for stage, r in zip((1, 2, 3), runs):
         assert not isinstance(r, Exception), (stage, r)
@@ -68,17 +106,25 @@ def test_every_mode_trains_at_every_stage_and_holds_the_bytes_it_claims(mode):
     assert f'master      {master}' in runs[0]['report'] and f'exp_avg     {state}' in runs[0]['report']
 
 
+JOBS.update({f'checkpoint {mode}': [dict(kind='zero3', **BF16, precision=MODES[mode], **extra)
+                                     for extra in ({}, {'resume_at': 4})]
+             for mode in ('remainder', 'int8 state', 'none + int8', 'stochastic rounding')})
+
+
 @pytest.mark.parametrize('mode', ['remainder', 'int8 state', 'none + int8', 'stochastic rounding'])
 def test_a_checkpoint_carries_each_modes_state_exactly(mode):
-    straight, resumed = run_ranks(2, [dict(kind='zero3', **BF16, precision=MODES[mode], **extra)
-                                      for extra in ({}, {'resume_at': 4})])
+    straight, resumed = results(f'checkpoint {mode}')
     assert_same_run(resumed, straight, rtol=0, atol=0)
+
+
+JOBS.update({f'fp16 overflow, stage {stage}': [dict(kind=f'zero{stage}', param_dtype=torch.float16, accum=4, steps=5,
+                                                     inf_at=2)] for stage in (1, 2, 3)})
 
 
 @pytest.mark.parametrize('stage', [1, 2, 3])
 def test_fp16_overflow_on_one_rank_skips_that_step_everywhere_and_halves_the_scale(stage):
     # inside the ranks: masters, moments and step count unchanged on every rank by the step with the inf
-    r = run_ranks(2, [dict(kind=f'zero{stage}', param_dtype=torch.float16, accum=4, steps=5, inf_at=2)])[0]
+    r = results(f'fp16 overflow, stage {stage}')[0]
     assert not isinstance(r, Exception), r
     assert r['scales'] == [2.0**16, 2.0**16, 2.0**15, 2.0**15, 2.0**15]  # after each step
     assert not math.isfinite(r['norms'][2]) and all(math.isfinite(n) for i, n in enumerate(r['norms']) if i != 2)
@@ -87,27 +133,38 @@ def test_fp16_overflow_on_one_rank_skips_that_step_everywhere_and_halves_the_sca
         (r['params'][n] - start[n]).abs().max() > 1e-3 for n in start if start[n].dim() == 2)
 
 
+JOBS.update({f'fp16 growth, stage {stage}': [dict(kind=f'zero{stage}', param_dtype=torch.float16, accum=2, steps=6,
+                                                   inf_at=3, growth_interval=2)] for stage in (1, 3)})
+
+
 @pytest.mark.parametrize('stage', [1, 3])
 def test_fp16_loss_scale_doubles_after_growth_interval_clean_steps_and_counts_again_after_an_overflow(stage):
-    r = run_ranks(2, [dict(kind=f'zero{stage}', param_dtype=torch.float16, accum=2, steps=6, inf_at=3, growth_interval=2)])[0]
+    r = results(f'fp16 growth, stage {stage}')[0]
     assert not isinstance(r, Exception), r
     # clean, clean (x2), clean, inf (/2, the count restarts), clean, clean (x2)
     assert r['scales'] == [2.0**16, 2.0**17, 2.0**17, 2.0**16, 2.0**16, 2.0**17]
 
 
+JOBS['fp16 vs fp32'] = [dict(kind='zero2', accum=4, steps=5, **extra) for extra in ({}, {'param_dtype': torch.float16})]
+
+
 def test_fp16_loss_scaling_matches_bf16_free_training_within_fp16_noise():
     # the scale is applied before backward and removed exactly in the fused step: the run follows fp32's
-    fp32, fp16 = run_ranks(2, [dict(kind='zero2', accum=4, steps=5, **extra) for extra in ({}, {'param_dtype': torch.float16})])
+    fp32, fp16 = results('fp16 vs fp32')
     torch.testing.assert_close(torch.tensor(fp16['losses']), torch.tensor(fp32['losses']), rtol=2e-3, atol=0)
+
+
+TIE = 1 + 2**-8  # every param at a tie between two bf16
+JOBS.update({f'tie, stage {stage}': [dict(kind=f'zero{stage}', param_dtype=torch.bfloat16, steps=0, init_value=TIE,
+                                          **extra) for extra in ({'precision': MODES['none']}, {})]
+             for stage in (1, 2)})
 
 
 @pytest.mark.parametrize('stage', [1, 2])
 def test_every_rank_starts_from_the_params_as_their_owners_store_them(stage):
     # every param at a tie between two bf16 (1 + 2^-8): without a master the owner rounds it to nearest-even (1.0),
     # with an fp32 master half away from zero (1 + 2^-7); each rank's copy of every other rank's shard must agree
-    tie = 1 + 2**-8
-    none, fp32 = run_ranks(2, [dict(kind=f'zero{stage}', param_dtype=torch.bfloat16, steps=0, init_value=tie, **extra)
-                               for extra in ({'precision': MODES['none']}, {})])
+    none, fp32 = results(f'tie, stage {stage}')
     assert set(none['init_values']) - {0.0} == {1.0} and set(fp32['init_values']) - {0.0} == {1 + 2**-7}, (none, fp32)
 
 
