@@ -127,8 +127,7 @@ def measure(kind, cfg, world_size, quick, build_only=False, link_specs=(), speed
     act = memory.activations(cfg['n_layer'], cfg['n_embd'], args['vocab_size'], cfg['batch_size'] * cfg['block_size'],
                              zcfg.param_dtype.itemsize, cfg['activation_checkpointing'])
     peak_estimate = sum(b for _, b in estimate.values()) + memory.transient_bytes(
-        zcfg.stage, zcfg, *memory.unit_sizes(model, model.transformer.h, zcfg.blocks_per_unit), engine.psi, world_size,
-        act)
+        zcfg.stage, zcfg, *memory.unit_sizes(model, model.transformer.h), engine.psi, world_size, act)
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
 
     # warm-up: optimizer state allocated (FSDP2's lazily), stage 3's forward order recorded; our transient

@@ -7,8 +7,8 @@ same model, seed and batches, in one run (2 gloo ranks on CPU, config/shakespear
     torchrun --standalone --nproc_per_node=2 bench.py zero --config=config/shakespeare_cpu.py --set n_layer=8
     torchrun --standalone --nproc_per_node=2 bench.py zero --kinds=zero2,zero3,zero3:blocks_per_unit=2
 
-A kind may carry settings of its own after a colon (kind:key=value:key=value, train.py's keys): the same kind under
-two settings takes turns like any two kinds.
+A kind of ours (ddp, zero1-3) may carry settings of its own after a colon (kind:key=value:key=value, from
+SETTINGS: how the engine is built): the same kind under two settings takes turns like any two kinds.
 
 Per kind: the median step time (what train.py's loop does per iteration at a fixed lr: train.train_batches, this
 rank's gradient_accumulation_steps / world micro-batches, then train.train_step; the slowest rank; ours and DDP built
@@ -120,9 +120,17 @@ def build(kind, cfg, device):
     return engine
 
 
+SETTINGS = ('blocks_per_unit', 'prefetch', 'reshard_after_forward', 'bucket_mb', 'reduce_dtype', 'compile',
+            'activation_checkpointing', 'optimizer_impl')  # read where the engine is built (train.build), nowhere else
+
+
 def settings_of(kind, cfg):
     """'zero3:blocks_per_unit=2' -> ('zero3', cfg with blocks_per_unit=2), checked as train.py checks --key=value."""
     kind, *sets = kind.split(':')
+    keys = [s.partition('=')[0] for s in sets]
+    if sets and (kind not in ('ddp', 'zero1', 'zero2', 'zero3') or not set(keys) <= set(SETTINGS)):
+        raise ValueError(f"{kind}:{':'.join(sets)}: only ddp and zero1-3 take settings of their own, and only "
+                         f"{', '.join(SETTINGS)} (the others apply to every kind: --set)")
     return kind, train.parse_config([f'--{s}' for s in sets], defaults=cfg)
 
 
@@ -186,7 +194,7 @@ def transient_bytes(engine):
 
 def transient_bound(engine):
     """The same from the engine's counters: peak live grad buffers x the largest bucket, and in stage 3 peak live
-    block units x the largest block + the root unit (unsharded from its forward to the end of backward)."""
+    block units x the largest of them + the root unit (unsharded from its forward to the end of backward)."""
     if not ours(engine) or engine.cfg.stage == 1:
         return 0
     bound = engine.peak_grad_buffers * max(b.padded_numel for b in engine.buckets) * engine.cfg.reduce_dtype.itemsize
@@ -217,6 +225,10 @@ def bench_zero(args):
     if {k.split(':')[0] for k in kinds} - set(KINDS):
         raise ValueError(f"unknown kinds {sorted({k.split(':')[0] for k in kinds} - set(KINDS))}: choose from "
                          f"{','.join(KINDS)} (a kind may add its own settings: zero3:blocks_per_unit=2)")
+    if len(set(kinds)) < len(kinds):
+        raise ValueError(f"--kinds={args.kinds} names a kind twice: each kind once")
+    for kind in kinds:
+        settings_of(kind, cfg)  # a bad setting stops the run here, before anything is built
     train.prepare_data(cfg, rank)
     data = train.load_split(train.data_dir(cfg), 'train')
     drawn = [0]  # iterations drawn so far: every kind trains on the same iterations' batches
@@ -361,8 +373,9 @@ def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):
         if ours(engine) and engine.cfg.stage >= 2:
             line += f"; live at peak: {engine.peak_grad_buffers} bucket grad buffers"
         if ours(engine) and engine.cfg.stage == 3:
-            k = engine.cfg.blocks_per_unit
-            line += f", {engine.units[0].schedule.peak_live} unsharded units of {k} block{'s' * (k > 1)} + the root"
+            live, per_unit = engine.units[0].schedule.peak_live, engine.cfg.blocks_per_unit
+            line += (f", {live} unsharded unit{'s' * (live != 1)} (up to {per_unit} block{'s' * (per_unit > 1)} each)"
+                     " + the root")
         print(f"  {kind:<20} {line}")
     rss = ', '.join(f"rank {r} {every[r, K, 0] / MB:.0f}" for r in range(world_size))
     print(f"peak RSS MB: {rss}. Every kind lives in each process: their model states (rank 0: "
@@ -374,7 +387,8 @@ def add_arguments(parser):
     parser.add_argument('--config', default='config/shakespeare_cpu.py', help="a train.py config file")
     parser.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
                         help="override a train.py config key, e.g. --set n_layer=8 (repeatable)")
-    parser.add_argument('--kinds', default=','.join(KINDS), help="comma-separated, from " + ','.join(KINDS))
+    parser.add_argument('--kinds', default=','.join(KINDS), help="comma-separated, from " + ','.join(KINDS)
+                        + "; ours may add settings: zero3:blocks_per_unit=2 (SETTINGS)")
     parser.add_argument('--rounds', type=int, default=16, help="each round times every kind, in a rotated order")
     parser.add_argument('--steps', type=int, default=1, help="timed steps per kind per round")
 

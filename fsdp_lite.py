@@ -1,8 +1,8 @@
 """
 fsdp_lite: the parameter half of ZeRO-3, in FSDP2's vocabulary.
 
-Each wrapped module (a transformer block; the root, the model itself, takes the params no block holds:
-embeddings, tied lm_head, final norm) becomes a Unit that owns one flat, padded buffer laid out by a
+Each wrapped module (a transformer block, or several: [Note: blocks per unit]; the root, the model itself, takes the
+params no block holds: embeddings, tied lm_head, final norm) becomes a Unit that owns one flat, padded buffer laid out by a
 zero.Bucket. Between uses a rank stores only its shard of it, the *sharded param* (shard_numel,), which
 zero.py owns and the optimizer writes. Around each use the unit is *unsharded*: all-gathered into the
 *unsharded param* (padded_numel,), of which every module parameter is a view. The all-gather input is the
@@ -101,6 +101,9 @@ class Unit:
         self.state, self.work = State.SHARDED, None
         self.first.register_forward_pre_hook(self._pre_forward)
         self.last.register_forward_hook(self._post_forward)
+        # [Note: blocks per unit] a unit's other blocks must run while it is gathered: checked in the first forward
+        inner = list(module)[1:] if isinstance(module, torch.nn.ModuleList) else []
+        self.checks = [block.register_forward_pre_hook(self._check_gathered) for block in inner]
 
     # --- the three states
 
@@ -159,6 +162,15 @@ class Unit:
             unit.unshard()  # issued before we wait: its all-gather runs while this unit computes
         self.wait_for_unshard()
 
+    def _check_gathered(self, module, args):
+        if self.schedule.recorded:  # the first forward ran every unit's blocks in order: no more checks
+            for handle in self.checks:
+                handle.remove()
+            self.checks = []
+        elif self.state is not State.UNSHARDED:
+            raise RuntimeError("a block ran while its unit was sharded: blocks_per_unit > 1 needs the blocks listed in "
+                               "forward order, each run once a forward, one after another")
+
     def _post_forward(self, module, args, output):
         if self.is_root:
             self.schedule.recorded = True  # the root's forward encloses every block's: order complete
@@ -186,9 +198,11 @@ class Unit:
 def group_blocks(blocks, per_unit):
     """[Note: blocks per unit] A unit is stage 3's grain: per micro-step one all-gather before its forward, one before
     its backward (with reshard_after_forward) and one reduce-scatter after it. Each collective costs a fixed host time
-    and a link latency whatever its size (on an H200's host ~120 us of Python and C++ per NCCL call, for a 14 MB
-    block's all-gather as for a 28 MB reduce-scatter), and stage 3 makes ~3 a block where stage 2 makes ~1 a
-    bucket: compiled GPT-2 124M ran host-bound there (README, "Measured: speed"). blocks_per_unit=k gathers k
+    and a link latency whatever its size (on an H200's host ~120-130 us of Python and C++ per NCCL call, for a 14 MB
+    block's all-gather as for a 25 MB reduce-scatter), and stage 3 makes ~3 a block where stage 2 makes ~1 a
+    bucket: compiled GPT-2 124M ran host-bound there (README, "Measured: speed"). The blocks must be listed in
+    forward order, and only a unit's last block may hand its output to anything but the next block (a unit's inner
+    output reaching backward would find the unit sharded); the first forward checks the order. blocks_per_unit=k gathers k
     consecutive blocks as one unit: the same bytes in 1/k as many collectives (and casts, hooks and waits), for k
     blocks' params unsharded at a time instead of one ((prefetch + 1) k with prefetch). k=1 is FSDP2's layout when
     fully_shard is called per block, the oracle's; FSDP2 users group blocks by calling it on a group of them, DeepSpeed
@@ -206,12 +220,14 @@ def fully_shard(triples, root, comm, cfg):
 
 def describe(units, cfg):
     """train.py's startup line for stage 3: its units and the collectives a micro-step issues."""
-    blocks = sorted({len(u.module) for u in units if not u.is_root})
-    n = sum(not u.is_root for u in units)
-    gathers = len(units) + n * cfg.reshard_after_forward  # each unit's forward, then backward's re-gathers
-    return (f"stage 3: {n} unit{'s' * (n != 1)} of {'-'.join(map(str, blocks))} block{'s' * (max(blocks, default=0) > 1)} + the root "
-            f"(blocks_per_unit={cfg.blocks_per_unit}), prefetch {cfg.prefetch}: {gathers} all-gathers and {len(units)} "
-            f"reduce-scatters a micro-step")
+    sizes = [len(u.module) for u in units if not u.is_root][::-1]  # zero.py lists them as backward finishes them
+    n, gathers = len(sizes), len(units) + len(sizes) * cfg.reshard_after_forward  # forward, then backward's re-gathers
+    if len(set(sizes)) == 1:
+        blocks = f"of {sizes[0]} block{'s' * (sizes[0] > 1)}"
+    else:
+        blocks = f"({' + '.join(map(str, sizes))} blocks)"
+    return (f"stage 3: {n} unit{'s' * (n != 1)} {blocks} + the root (blocks_per_unit={cfg.blocks_per_unit}), prefetch "
+            f"{cfg.prefetch}: {gathers} all-gathers and {len(units)} reduce-scatters a micro-step")
 
 
 def finish_backward(units):

@@ -145,17 +145,19 @@ def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, act=NO_ACTI
     Stage 3 also holds gathered units, less their own shards where a gathered unit frees them (fsdp_lite [Note: a
     gathered unit holds its shard once]): the root from its forward to the end of backward; in (B) the `prefetch`
     units the root's pre-backward gathers, in (C) prefetch + 1 units; every block, without reshard_after_forward. A
-    unit is blocks_per_unit blocks (fsdp_lite [Note: blocks per unit]): block_numel is the largest unit's numel.
+    unit is blocks_per_unit blocks (fsdp_lite [Note: blocks per unit]), of block_numel each (GPT's are alike).
     Not modelled: a block's backward temporaries beyond the ~8 values per token and channel Activations.block counts, the
     all-gather input's cast, stage 0's bf16 copy of fp32 params under autocast, allocator slack."""
     r, p = cfg.reduce_dtype.itemsize, cfg.param_dtype.itemsize if stage > 0 else 4  # stage 0: DDP's fp32 params
-    bucket = {0: 0, 1: 0, 2: min(psi, max(cfg.bucket_mb * 2**20 // r, block_numel)), 3: block_numel}[stage]
+    unit = min(block_numel * cfg.blocks_per_unit, psi - root_numel)  # stage 3's largest unit: k blocks, or all
+    bucket = {0: 0, 1: 0, 2: min(psi, max(cfg.bucket_mb * 2**20 // r, block_numel)), 3: unit}[stage]
     share = (1 - 1 / world if cfg.precision.master_dtype(cfg.param_dtype) != torch.float32 else 1) * p * (stage == 3)
     kept = 0 if cfg.reshard_after_forward else psi - root_numel  # blocks gathered from forward to backward
     pending, cast = root_numel * p, root_numel * p if p < 4 else 0
+    gathered = [max(kept, min(psi - root_numel, n * unit)) for n in (cfg.prefetch, cfg.prefetch + 1)]  # (B), (C)
     moments = {'A': act.blocks + act.head + act.forward + share * (root_numel + kept),
-               'B': act.blocks + act.head + act.backward + cast + share * (root_numel + max(kept, cfg.prefetch * block_numel)),
-               'C': act.others + pending + max(act.block, bucket * (p + r)) + share * (root_numel + max(kept, (cfg.prefetch + 1) * block_numel)),
+               'B': act.blocks + act.head + act.backward + cast + share * (root_numel + gathered[0]),
+               'C': act.others + pending + max(act.block, bucket * (p + r)) + share * (root_numel + gathered[1]),
                'D': max(2 * pending, pending + (root_numel * r if stage > 1 else 0)) + share * root_numel}
     return max(moments.values())
 
@@ -197,8 +199,7 @@ def lowest_stage_that_fits(model, zcfg, world, tokens, limit_bytes, checkpointin
 
     def pick(ck):
         act = activations(c.n_layer, c.n_embd, c.vocab_size, tokens, zcfg.param_dtype.itemsize, ck)
-        units = unit_sizes(model, model.transformer.h, zcfg.blocks_per_unit)
-        return pick_stage(stage_estimates(psi, world, zcfg, act, *units), limit_bytes)
+        return pick_stage(stage_estimates(psi, world, zcfg, act, *unit_sizes(model, model.transformer.h)), limit_bytes)
     (stage, line), (other, _) = pick(checkpointing), pick(not checkpointing)
     if checkpointing and stage is not None and (other is None or other > stage):
         line += f"; activation_checkpointing=True is what makes stage {stage} fit (without it: {'none' if other is None else other})"
@@ -224,13 +225,11 @@ def device_memory_bytes(device, memory_gb=0.0):
     return least.item()
 
 
-def unit_sizes(model, blocks, per_unit=1):
-    """(numel of the largest unit, numel of the root: what no unit holds), trainable params only; per_unit consecutive
-    blocks to a unit (fsdp_lite [Note: blocks per unit])."""
-    sizes = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in blocks]
-    units = [sum(sizes[i:i + per_unit]) for i in range(0, len(sizes), per_unit)]
+def unit_sizes(model, units):
+    """(numel of the largest of `units`, the blocks; numel of the root: what no block holds), trainable params only."""
+    blocks = [sum(p.numel() for p in u.parameters() if p.requires_grad) for u in units]
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return max(units, default=0), total - sum(sizes)
+    return max(blocks, default=0), total - sum(blocks)
 
 # -----------------------------------------------------------------------------
 # the startup table: counted next to estimated
@@ -331,7 +330,7 @@ def main(argv):
         with torch.device('meta'):
             model = GPT(GPTConfig(**train.model_args(cfg, train.vocab_size(cfg))))
         psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        block, root = unit_sizes(model, model.transformer.h, zcfg.blocks_per_unit)
+        block, root = unit_sizes(model, model.transformer.h)
         act = activations(cfg['n_layer'], cfg['n_embd'], model.config.vocab_size, cfg['batch_size'] * cfg['block_size'],
                           zcfg.param_dtype.itemsize, cfg['activation_checkpointing'])
     print(estimate_table(psi, args.world, zcfg, accum, args.k))

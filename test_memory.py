@@ -193,6 +193,19 @@ def test_auto_says_when_activation_checkpointing_is_what_makes_a_stage_fit():
         train.choose_stage({**cfg, 'activation_checkpointing': False}, torch.device('cpu'), 8, args)
 
 
+def test_blocks_per_unit_moves_only_stage_3s_estimate_and_by_its_larger_units():
+    """fsdp_lite [Note: blocks per unit]: stages 0-2 ignore the setting; stage 3 holds k blocks where it held one (the
+    prefetch + 1 gathered units, the unit's grad buffer), never more than every block."""
+    model = GPT(GPTConfig(n_layer=6, n_head=4, n_embd=128, block_size=64, vocab_size=256))
+    psi, (block, root) = sum(p.numel() for p in model.parameters()), memory.unit_sizes(model, model.transformer.h)
+    act = memory.activations(6, 128, 256, 512, 2, False)
+    cfg = dict(param_dtype=torch.bfloat16, bucket_mb=0.001)  # stage 2's bucket: a block's grads at least
+    need = {k: memory.stage_estimates(psi, 8, zero.ZeroConfig(**cfg, blocks_per_unit=k), act, block, root)
+            for k in (1, 2, 6, 12)}
+    assert all(need[k][s] == need[1][s] for k in need for s in (0, 1, 2))
+    assert need[1][3] < need[2][3] < need[6][3] == need[12][3]  # 12 blocks a unit of 6: all of them, as 6 a unit
+
+
 def test_auto_never_picks_stage_0_with_a_precision_mode_that_torch_adamw_cannot_honour():
     cfg = train.parse_config(['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=16', '--batch_size=1',
                               '--dtype=bfloat16', '--master_weights=remainder', '--zero_stage=auto', '--memory_gb=1000'])
@@ -446,7 +459,7 @@ for overrides in json.loads(sys.argv[1]):  # rank 0 of 8, as bench.py scale buil
     act = memory.activations(cfg['n_layer'], cfg['n_embd'], train.vocab_size(cfg), cfg['batch_size'] * cfg['block_size'], 4,
                              cfg['activation_checkpointing'])
     states = sum(b for _, b in memory.model_states(zcfg.stage, engine.psi, 8, zcfg).values())
-    units = memory.unit_sizes(model, model.transformer.h, zcfg.blocks_per_unit)
+    units = memory.unit_sizes(model, model.transformer.h)
     estimate = states + memory.transient_bytes(zcfg.stage, zcfg, *units, engine.psi, 8, act)
     print(json.dumps([allocated, estimate]), flush=True)
 """

@@ -158,12 +158,22 @@ def test_bench_zero_runs_every_kind_from_the_same_first_step():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split('|')[1].strip() for line in out.stdout.splitlines() if line.startswith('| ') and 'kind' not in line]
     assert rows == kinds
-    assert re.search(r'zero3:blocks_per_unit=2 .*live at peak: .*, 1 unsharded units of 2 blocks \+ the root', out.stdout)
+    assert re.search(r'zero3:blocks_per_unit=2 .*live at peak: .*, 1 unsharded unit \(up to 2 blocks each\) \+ the root',
+                     out.stdout)
     first = re.search(r'first step.*loss ([\d.]+) \(spread (\S+)\), grad norm ([\d.]+) \(spread (\S+)\)', out.stdout)
     loss, loss_spread, norm, norm_spread = map(float, first.groups())
     # the norms differ by ~1e-5 relative because torch's clip_grad_norm_ does: on this model (vocab 50304) it is
     # ~6e-6 off the float64 norm, where one fp32 sum over the flat shards (ours) is ~1e-7 off
     assert loss_spread <= 1e-6 * loss and norm_spread < 1e-4 * norm, out.stdout[:600]
+
+
+def test_bench_zero_takes_only_settings_that_change_how_our_engine_is_built():
+    cfg = train.parse_config([])
+    kind, own = bench_zero.settings_of('zero3:blocks_per_unit=2:prefetch=0', cfg)
+    assert kind == 'zero3' and (own['blocks_per_unit'], own['prefetch']) == (2, 0) and cfg['blocks_per_unit'] == 1
+    for bad in ('fsdp2:blocks_per_unit=2', 'zero3:batch_size=4', 'zero3:blocks_per_unit=two'):
+        with pytest.raises(ValueError, match='settings of their own|takes an int'):
+            bench_zero.settings_of(bad, cfg)
 
 
 def test_bench_zero_ratios_are_taken_round_by_round():

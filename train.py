@@ -74,7 +74,7 @@ backend = ''  # '' = nccl on GPUs, gloo on CPU
 bucket_mb = 25.0  # stage 1/2 grad bucket size
 reduce_dtype = 'float32'  # grads are reduced in this dtype ('float32' or 'bfloat16')
 prefetch = 1  # stage 3: all-gathers in flight ahead of compute (0 = off)
-reshard_after_forward = True  # stage 3: free each block's params after its forward (False: 2Ψ traffic, more memory)
+reshard_after_forward = True  # stage 3: free each unit's params after its forward (False: 2Ψ traffic, more memory)
 blocks_per_unit = 1  # stage 3: blocks gathered together (fewer, larger collectives; more params unsharded at once)
 activation_checkpointing = False  # keep only each block's input, recompute its forward in backward (fsdp_lite)
 optimizer_impl = 'auto'  # fused AdamW kernel: 'auto', 'reference', 'cpu', 'cuda'

@@ -117,7 +117,7 @@ class ZeroConfig:
     grad_clip: float = 1.0  # clip the global grad norm to this; 0 = off
     optimizer_impl: str = 'auto'  # kernels.adamw_step: 'auto' | 'reference' | 'cpu' | 'cuda'
     prefetch: int = 1  # stage 3: all-gathers kept in flight ahead of compute; 0 = off
-    reshard_after_forward: bool = True  # stage 3: free each block's params after its forward
+    reshard_after_forward: bool = True  # stage 3: free each unit's params after its forward
     blocks_per_unit: int = 1  # stage 3: consecutive blocks gathered as one unit (fsdp_lite [Note: blocks per unit])
     precision: kernels.Precision = field(default_factory=kernels.Precision)  # what the optimizer stores
     seed: int = 0  # stochastic rounding's counter-based hash starts from it
