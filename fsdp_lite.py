@@ -19,7 +19,8 @@ between: the optimizer steps after backward, when every unit is sharded again. F
 the root unit (the tied embedding, half of Ψ) is gathered.
 
     forward:   pre-hook: launch this unit's all-gather (if no prefetch did), prefetch the next unit(s), wait
-               post-hook: reshard if reshard_after_forward; hook the outputs to catch the pre-backward
+               post-hook: reshard if reshard_after_forward (not the last unit: [Note: the last unit stays
+               gathered]); hook the outputs to catch the pre-backward
     backward:  pre-backward: unshard again if resharded, prefetch the previous unit(s)
                post-backward (zero.py, once the unit's grads are all in its bucket): reduce-scatter, reshard
 
@@ -70,6 +71,15 @@ class Schedule:
             return []
         start = 0 if unit.is_root else self.order.index(unit) + 1
         return self.order[start:start + self.prefetch]
+
+    def is_last(self, unit):
+        """[Note: the last unit stays gathered] Backward starts with the block unit forward ran last: resharding it
+        after its forward only to gather it again for the loss head's backward sends Ψ_unit and costs a collective
+        for nothing, while it is what the root's pre-backward prefetches anyway. So it stays gathered from its
+        forward to its backward, as torchtitan does (FSDP2 reshards it unless told not to): one all-gather a
+        micro-step less, one unit more gathered during the loss head's forward. The first forward of a run cannot
+        know its last block yet: it reshards it."""
+        return self.recorded and bool(self.order) and self.order[-1] is unit
 
     def next_in_backward(self, unit):
         if not self.recorded or self.prefetch == 0:
@@ -177,7 +187,7 @@ class Unit:
         if not torch.is_grad_enabled():  # eval: no backward will come to reshard it
             self.reshard()
             return output
-        if self.reshard_after_forward:
+        if self.reshard_after_forward and not self.schedule.is_last(self):
             self.reshard()
         tensors = [t for t in torch.utils._pytree.tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
         if tensors:
@@ -221,7 +231,8 @@ def fully_shard(triples, root, comm, cfg):
 def describe(units, cfg):
     """train.py's startup line for stage 3: its units and the collectives a micro-step issues."""
     sizes = [len(u.module) for u in units if not u.is_root][::-1]  # zero.py lists them as backward finishes them
-    n, gathers = len(sizes), len(units) + len(sizes) * cfg.reshard_after_forward  # forward, then backward's re-gathers
+    n = len(sizes)  # forward gathers every unit, backward all but the root and the last (kept)
+    gathers = len(units) + max(n - 1, 0) * cfg.reshard_after_forward
     if len(set(sizes)) == 1:
         blocks = f"of {sizes[0]} block{'s' * (sizes[0] > 1)}"
     else:

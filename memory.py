@@ -53,8 +53,8 @@ def model_states(stage, psi, world, cfg):
 def communication(stage, psi, accum, cfg):
     """Elements each rank sends per step (the paper's convention: an all-reduce of n elements is 2n, a
     reduce-scatter or all-gather n), and bytes at the configured dtypes. accum: micro-steps per rank.
-    Stage 3 counts the backward re-gather of every unit; the root unit is kept from forward to backward, so
-    the real figure is lower by the root's share (train.py's log shows what is sent)."""
+    Stage 3 counts the backward re-gather of every unit; the root unit and the last block unit are kept from forward
+    to backward, so the real figure is lower by their share (train.py's log shows what is sent)."""
     if stage == 0:
         return {'all_reduce': (2 * psi, 2 * psi * 4)}  # DDP's grads are fp32 (the params are)
     rs = psi * (accum if stage >= 2 else 1)  # stages 2/3 keep no full grad: a reduce-scatter per micro-step
@@ -143,8 +143,9 @@ def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, act=NO_ACTI
     (D) the root's backward, activations gone: the embedding's grad beside the pending one (autograd sums them in place),
     then their sum beside the root's grad buffer (stages 2/3; stage 1 adds it into the full flat_grad).
     Stage 3 also holds gathered units, less their own shards where a gathered unit frees them (fsdp_lite [Note: a
-    gathered unit holds its shard once]): the root from its forward to the end of backward; in (B) the `prefetch`
-    units the root's pre-backward gathers, in (C) prefetch + 1 units; every block, without reshard_after_forward. A
+    gathered unit holds its shard once]): the root from its forward to the end of backward; in (A) the last block
+    unit ([Note: the last unit stays gathered]), in (B) it or the `prefetch` units the root's pre-backward gathers, in
+    (C) prefetch + 1 units; every block, without reshard_after_forward. A
     unit is blocks_per_unit blocks (fsdp_lite [Note: blocks per unit]), of block_numel each (GPT's are alike).
     Not modelled: a block's backward temporaries beyond the ~8 values per token and channel Activations.block counts, the
     all-gather input's cast, stage 0's bf16 copy of fp32 params under autocast, allocator slack."""
@@ -154,10 +155,11 @@ def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, act=NO_ACTI
     share = (1 - 1 / world if cfg.precision.master_dtype(cfg.param_dtype) != torch.float32 else 1) * p * (stage == 3)
     kept = 0 if cfg.reshard_after_forward else psi - root_numel  # blocks gathered from forward to backward
     pending, cast = root_numel * p, root_numel * p if p < 4 else 0
-    gathered = [max(kept, min(psi - root_numel, n * unit)) for n in (cfg.prefetch, cfg.prefetch + 1)]  # (B), (C)
-    moments = {'A': act.blocks + act.head + act.forward + share * (root_numel + kept),
-               'B': act.blocks + act.head + act.backward + cast + share * (root_numel + gathered[0]),
-               'C': act.others + pending + max(act.block, bucket * (p + r)) + share * (root_numel + gathered[1]),
+    # the last unit stays gathered into backward (fsdp_lite [Note: the last unit stays gathered]): one at least
+    gathered = [max(kept, min(psi - root_numel, n * unit)) for n in (1, max(1, cfg.prefetch), cfg.prefetch + 1)]
+    moments = {'A': act.blocks + act.head + act.forward + share * (root_numel + gathered[0]),
+               'B': act.blocks + act.head + act.backward + cast + share * (root_numel + gathered[1]),
+               'C': act.others + pending + max(act.block, bucket * (p + r)) + share * (root_numel + gathered[2]),
                'D': max(2 * pending, pending + (root_numel * r if stage > 1 else 0)) + share * root_numel}
     return max(moments.values())
 
