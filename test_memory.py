@@ -149,7 +149,8 @@ def hand_estimates(world):
     own = per_block + B * T * C * 8 * 4  # the first block's saved tensors and its backward temporaries
 
     def peak(bucket, gathered, stage):  # moments A, B (prefetch 1), C (prefetch + 1 blocks gathered), D
-        return max(blocks + head + forward + gathered * root, blocks + head + backward + gathered * (root + block),
+        return max(blocks + head + forward + gathered * (root + block),  # A: the last block kept gathered into backward
+                   blocks + head + backward + gathered * (root + block),
                    blocks - per_block + 4 * root + max(own, 8 * bucket) + gathered * (root + 2 * block),
                    8 * root + gathered * root)  # D: two embedding grads, or their sum beside the root's grad buffer
     gathered = (1 - 1 / world) * 4  # stage 3: a gathered unit holds its own shard once
@@ -191,6 +192,22 @@ def test_auto_says_when_activation_checkpointing_is_what_makes_a_stage_fit():
     assert stage == 0 and line.endswith("activation_checkpointing=True is what makes stage 0 fit (without it: none)"), line
     with pytest.raises(ValueError, match=r"use activation_checkpointing=True \(then stage 0 fits\)"):
         train.choose_stage({**cfg, 'activation_checkpointing': False}, torch.device('cpu'), 8, args)
+
+
+@pytest.mark.parametrize('reshard', [True, False])
+@pytest.mark.parametrize('prefetch', [0, 1, 2])
+def test_stage_3s_estimate_holds_the_last_unit_in_the_heads_forward_and_backward(prefetch, reshard):
+    """fsdp_lite [Note: the last unit stays gathered]: (A) counts the root and the last block unit, (B) the root and
+    the last unit or the `prefetch` units the root's pre-backward gathers; every block without reshard_after_forward.
+    Each moment alone decides the peak here (a huge activation term in it)."""
+    root, block, world, big = 1000, 100, 4, 10**6
+    psi, share = root + 6 * block, 4 * (1 - 1 / world)  # fp32: a gathered unit lends its shard
+    cfg = zero.ZeroConfig(stage=3, param_dtype=torch.float32, prefetch=prefetch, reshard_after_forward=reshard)
+    blocks = (lambda n: n * block) if reshard else (lambda n: 6 * block)
+    moment_a = memory.transient_bytes(3, cfg, block, root, psi, world, memory.Activations(0, 0, 0, 0, big, 0))
+    moment_b = memory.transient_bytes(3, cfg, block, root, psi, world, memory.Activations(0, 0, 0, 0, 0, big))
+    assert moment_a - big == pytest.approx(share * (root + blocks(1)))
+    assert moment_b - big == pytest.approx(share * (root + blocks(max(1, prefetch))))
 
 
 def test_blocks_per_unit_moves_only_stage_3s_estimate_and_by_its_larger_units():

@@ -10,7 +10,8 @@ it on every one of N ranks. ZeRO keeps each number on exactly one rank:
     stage 3  ... and the params (fsdp_lite) 16Ψ/N               + an all-gather per block in fwd and bwd = 3Ψ*
 
 (communication in elements per rank per step; a DDP all-reduce = reduce-scatter + all-gather = 2Ψ.
-*3Ψ less the root unit, which stays gathered from its forward to the end of backward, as in FSDP2).
+*3Ψ less the root unit, which stays gathered from its forward to the end of backward, as in FSDP2, and the last
+block unit, which stays gathered into its backward: fsdp_lite [Note: the last unit stays gathered]).
 `comm.Comm` counts what this code actually sends, so the training log shows those figures.
 What each rank holds, and what it would hold before you rent the GPUs: memory.py (`python zero.py estimate`).
 
