@@ -1,9 +1,9 @@
 """
 fsdp_lite: the parameter half of ZeRO-3, in FSDP2's vocabulary.
 
-Each wrapped module (a transformer block, or several: [Note: blocks per unit]; the root, the model itself, takes the
-params no block holds: embeddings, tied lm_head, final norm) becomes a Unit that owns one flat, padded buffer laid out by a
-zero.Bucket. Between uses a rank stores only its shard of it, the *sharded param* (shard_numel,), which
+Each wrapped module (a transformer block, or several: [Note: blocks per unit]; the root, the model itself, takes
+the params no block holds: embeddings, tied lm_head, final norm) becomes a Unit that owns one flat, padded buffer
+laid out by a zero.Bucket. Between uses a rank stores only its shard of it, the *sharded param* (shard_numel,), which
 zero.py owns and the optimizer writes. Around each use the unit is *unsharded*: all-gathered into the
 *unsharded param* (padded_numel,), of which every module parameter is a view. The all-gather input is the
 sharded param itself, or, when that is an fp32 master under bf16 compute, its rounding to bf16 (FSDP2 casts
@@ -19,8 +19,8 @@ between: the optimizer steps after backward, when every unit is sharded again. F
 the root unit (the tied embedding, half of Ψ) is gathered.
 
     forward:   pre-hook: launch this unit's all-gather (if no prefetch did), prefetch the next unit(s), wait
-               post-hook: reshard if reshard_after_forward (not the last unit: [Note: the last unit stays
-               gathered]); hook the outputs to catch the pre-backward
+               post-hook: reshard if reshard_after_forward (not the last unit:
+               [Note: the last unit stays gathered]); hook the outputs to catch the pre-backward
     backward:  pre-backward: unshard again if resharded, prefetch the previous unit(s)
                post-backward (zero.py, once the unit's grads are all in its bucket): reduce-scatter, reshard
 
@@ -212,8 +212,8 @@ def group_blocks(blocks, per_unit):
     block's all-gather as for a 25 MB reduce-scatter), and stage 3 makes ~3 a block where stage 2 makes ~1 a
     bucket: compiled GPT-2 124M ran host-bound there (README, "Measured: speed"). The blocks must be listed in
     forward order, and only a unit's last block may hand its output to anything but the next block (a unit's inner
-    output reaching backward would find the unit sharded); the first forward checks the order. blocks_per_unit=k gathers k
-    consecutive blocks as one unit: the same bytes in 1/k as many collectives (and casts, hooks and waits), for k
+    output reaching backward would find the unit sharded); the first forward checks the order. blocks_per_unit=k
+    gathers k consecutive blocks as one unit: the same bytes in 1/k as many collectives (and casts, hooks and waits), for k
     blocks' params unsharded at a time instead of one ((prefetch + 1) k with prefetch). k=1 is FSDP2's layout when
     fully_shard is called per block, the oracle's; FSDP2 users group blocks by calling it on a group of them, DeepSpeed
     sizes its prefetch by bytes (stage3_prefetch_bucket_size). The math does not change: only the grad norm's sum
