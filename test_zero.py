@@ -521,6 +521,27 @@ def test_zero3_with_two_blocks_a_unit_checkpointed_or_prefetching_two_units_matc
     assert_same_run(get(2, kind='zero3', accum=4, blocks_per_unit=2, prefetch=2, reshard_after_forward=False), ddp)
 
 
+def test_zero3_steps_safely_after_a_forward_that_no_backward_followed():
+    """The root and the last unit stay gathered after a forward with grad ([Note: the last unit stays gathered]), and
+    with fp32 compute each gathered unit has freed its shard's storage: a step must put the shards back first (before,
+    the fused step wrote into freed storage: a crash). At lr 0 the step changes no weight: the shards come back exact."""
+    dist.init_process_group('fake', rank=0, world_size=2, store=FakeStore())
+    try:
+        model, x = tiny_model(0), torch.randint(TINY['vocab_size'], (2, T))
+        engine = make_engine('zero3', model, 1.0)
+        engine.backward(model(x, x)[1])  # the forward order recorded
+        engine.step(1e-3)
+        before = [u.sharded_param.clone() for u in engine.units]
+        model(x, x)  # no backward
+        assert sum(u.state is fsdp_lite.State.UNSHARDED for u in engine.units) == 2  # the root and the last block
+        engine.step(0.0)
+        assert all(u.state is fsdp_lite.State.SHARDED and u.sharded_param.untyped_storage().nbytes() == u.shard_nbytes
+                   for u in engine.units)
+        assert all(torch.equal(a, u.sharded_param) for a, u in zip(before, engine.units))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_zero3_blocks_grouped_out_of_forward_order_stop_the_first_forward_with_one_line():
     """fsdp_lite [Note: blocks per unit]: units are cut from the list of blocks as given; listed backwards, a unit's
     inner block would run on a sharded (freed) buffer. After a first forward in order the checks are gone."""

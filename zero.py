@@ -505,6 +505,13 @@ class Zero3(Zero2):
         super()._finish_backward()
         fsdp_lite.finish_backward(self.units)
 
+    def step(self, lr):
+        # a forward that no backward followed leaves the root and the last unit gathered, a lent shard's storage freed
+        # (fsdp_lite [Note: a gathered unit holds its shard once]): every shard goes back before the step writes them
+        for unit in self.units:
+            unit.reshard()  # after a backward: nothing to do
+        return super().step(lr)
+
     def gather_params(self, b):
         return None
 
