@@ -17,6 +17,7 @@ import os
 
 import torch
 
+import fsdp_lite
 import model
 
 # -----------------------------------------------------------------------------
@@ -264,7 +265,7 @@ def dtype_name(dtype):
 
 def startup_table(engine, world_size):
     """What this rank holds during a step, per population: dtype, bytes counted from its tensors, and the
-    estimate from model_states (the estimator's own function)."""
+    estimate from model_states (the estimator's own function); at stage 3, its units (fsdp_lite.describe)."""
     psi, cfg = engine.psi, engine.cfg
     estimate = model_states(engine.stage, psi, world_size, cfg)
     lines = [f"model states per rank, Ψ = {psi:,} trainable params, zero_stage={engine.stage}, N={world_size} "
@@ -276,6 +277,8 @@ def startup_table(engine, world_size):
     total, total_estimate = sum(b for _, b in counted.values()), sum(b for _, b in estimate.values())
     lines.append(f"  {'total':<25} {total / 1e6:>9.2f} {total_estimate / 1e6:>9.2f}   = {total / psi:.2f} bytes/param "
                  f"(the paper, bf16 + fp32 Adam: DDP 16, ZeRO-3 16/N = {16 / world_size:.2f})")
+    if engine.stage == 3:
+        lines.append(fsdp_lite.describe(engine.units, cfg))
     return '\n'.join(lines)
 
 # -----------------------------------------------------------------------------

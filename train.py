@@ -13,6 +13,7 @@ $ torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=$MASTER_ADD
 Any key below can be set in a config file (plain Python assignments) or as --key=value after it.
 """
 import ast
+import dataclasses
 import difflib
 import glob
 import math
@@ -291,13 +292,10 @@ def check_config(cfg, world_size):
 
 
 def zero_config(cfg):
+    same = {f.name: cfg[f.name] for f in dataclasses.fields(ZeroConfig) if f.name in cfg}  # a key per field, as is
     precision = kernels.Precision(cfg['master_weights'], cfg['state_dtype'], cfg['stochastic_rounding'])
-    return ZeroConfig(stage=cfg['zero_stage'], param_dtype=getattr(torch, cfg['dtype']),
-                      reduce_dtype=getattr(torch, cfg['reduce_dtype']), bucket_mb=cfg['bucket_mb'],
-                      weight_decay=cfg['weight_decay'], beta1=cfg['beta1'], beta2=cfg['beta2'],
-                      grad_clip=cfg['grad_clip'], optimizer_impl=cfg['optimizer_impl'], prefetch=cfg['prefetch'],
-                      reshard_after_forward=cfg['reshard_after_forward'], blocks_per_unit=cfg['blocks_per_unit'],
-                      precision=precision, seed=cfg['seed'])
+    return ZeroConfig(**{**same, 'stage': cfg['zero_stage'], 'param_dtype': getattr(torch, cfg['dtype']),
+                         'reduce_dtype': getattr(torch, cfg['reduce_dtype']), 'precision': precision})
 
 
 def choose_stage(cfg, device, world_size, args):
@@ -369,8 +367,6 @@ def main(cfg):
         f"{cfg['batch_size']} batch * {cfg['block_size']} tokens")
     log(f"params: {model.get_num_params() / 1e6:.2f}M, optimizer: {optimizer}")
     log(memory.startup_table(engine, world_size))
-    if cfg['zero_stage'] == 3:
-        log(fsdp_lite.describe(engine.units, engine.cfg))
     warning = engine.cfg.precision.warning()
     if warning:
         log(f"warning: {warning}")
