@@ -27,6 +27,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -43,6 +44,18 @@ import torch
 # config/shakespeare_cpu.py, compiled, 3 alternating runs of `bench.py zero` each way: stage 2 504 -> 453 ms a step,
 # stage 3 543 -> 468 ms (stage 3 / stage 2 1.06-1.10x -> 0.99-1.07x); the root unit's gather copy 22.7 -> 2.9 ms.
 os.environ.setdefault('THP_MEM_ALLOC_ENABLE', '1')
+
+# [Note: the host allocator's mmap threshold] glibc gives a buffer of at least its mmap threshold a mapping of its own,
+# returned to the OS when freed, and cuts smaller ones from its heap, which keeps what is freed. The threshold moves: it
+# starts at 128 KiB and rises to the size of every mapped buffer freed, up to 32 MiB. Stage 3 frees its root unit every
+# step (config/shakespeare_cpu.py: the tied embedding, 26 MB unsharded), so from the first step on every buffer under
+# 26 MB comes from the heap, the root's next gathers and grads too, and buffers of a step's many lifetimes leave holes
+# the next step's cannot fill. A fixed threshold keeps the buffers of 16 MiB and more out of the heap (with huge pages,
+# above, a mapping faults in 2 MiB at a time). A user's own MALLOC_MMAP_THRESHOLD_ wins; off glibc nothing is set.
+HOST_MMAP_THRESHOLD = 16 << 20
+if sys.platform.startswith('linux') and 'MALLOC_MMAP_THRESHOLD_' not in os.environ:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(-3, HOST_MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD
 
 # ----------------------------------------------------------------------------
 # precision modes: what a shard keeps per element, for the ZeRO layout and its memory tables

@@ -173,6 +173,39 @@ def test_importing_kernels_gives_cpu_tensors_huge_pages_before_anything_allocate
         assert plain == 0 and refused == 0, (plain, refused)
 
 
+MMAP_PROBE = """
+import ctypes, sys
+import torch
+for name in sys.argv[1:]:
+    __import__(name)
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ('arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks',
+                                                   'fsmblks', 'uordblks', 'fordblks', 'keepcost')]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+x = torch.ones(6 * 2 ** 20)  # 24 MB: mapped, and freed (glibc's threshold would follow it up to 24 MB)
+del x
+y = torch.ones(5 * 2 ** 20)  # 20 MB
+print(libc.mallinfo2().hblkhd)  # bytes in buffers with a mapping of their own
+"""
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), 'mallinfo2'), reason="glibc's allocator (mallinfo2, glibc >= 2.33)")
+def test_importing_kernels_keeps_buffers_of_16_mib_and_more_out_of_glibcs_heap():
+    """[Note: the host allocator's mmap threshold]: after a 24 MB buffer is freed, a 20 MB one still gets a mapping of
+    its own (returned to the OS when freed) once kernels is imported; without the import glibc's moving threshold puts
+    it in the heap, and a user's own MALLOC_MMAP_THRESHOLD_ (64 MiB here) wins over ours."""
+    def mapped(*modules, **env):
+        out = subprocess.run([sys.executable, '-c', MMAP_PROBE, *modules], capture_output=True, text=True, check=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), env={**os.environ, **env})
+        return int(out.stdout.split()[-1])
+    plain_env = {k: v for k, v in os.environ.items() if k != 'MALLOC_MMAP_THRESHOLD_'}
+    with mock.patch.dict(os.environ, plain_env, clear=True):
+        imported, plain = mapped('kernels'), mapped()
+        users = mapped('train', MALLOC_MMAP_THRESHOLD_=str(64 * 2 ** 20))
+    assert imported >= 20 * 2 ** 20 > max(plain, users), (imported, plain, users)
+
+
 def test_reference_matches_torch_adamw_exactly_over_steps():
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(8, 5))  # >= 2-D: decayed
