@@ -36,22 +36,19 @@ from pathlib import Path
 import torch
 
 # [Note: huge pages on CPU] fsdp_lite frees a unit's unsharded param after each use and allocates it again before the
-# next; stage 2's grad buffers come and go each step. On CUDA the caching allocator hands the same block back; on CPU
-# glibc returns buffers of MBs to the OS and the next write faults fresh pages in, one fault per 4 KiB. With
-# THP_MEM_ALLOC_ENABLE=1 torch's CPU allocator asks for transparent huge pages (madvise) for buffers of 2 MB and more:
-# 512x fewer faults. torch reads it once, at its first CPU allocation, so it is set here, before this module's tables
-# are built (every entry point imports kernels before it allocates); a user's own setting wins. 2 gloo ranks,
-# config/shakespeare_cpu.py, compiled, 3 alternating runs of `bench.py zero` each way: stage 2 504 -> 453 ms a step,
-# stage 3 543 -> 468 ms (stage 3 / stage 2 1.06-1.10x -> 0.99-1.07x); the root unit's gather copy 22.7 -> 2.9 ms.
+# next; stage 2's grad buffers come and go each step. On CPU a fresh buffer faults its pages in, one per 4 KiB; with
+# THP_MEM_ALLOC_ENABLE=1 torch asks for transparent huge pages (madvise) for buffers of 2 MB and more: 512x fewer. torch
+# reads it at its first CPU allocation: every entry point imports kernels before it allocates; a user's setting wins.
+# config/shakespeare_cpu.py, 2 gloo ranks, compiled: stage 2 504 -> 453 ms a step, stage 3 543 -> 468 ms (stage 3 /
+# stage 2 1.06-1.10x -> 0.99-1.07x, 3 alternating runs each way); the root unit's gather copy 22.7 -> 2.9 ms.
 os.environ.setdefault('THP_MEM_ALLOC_ENABLE', '1')
 
-# [Note: the host allocator's mmap threshold] glibc gives a buffer of at least its mmap threshold a mapping of its own,
-# returned to the OS when freed, and cuts smaller ones from its heap, which keeps what is freed. The threshold moves: it
-# starts at 128 KiB and rises to the size of every mapped buffer freed, up to 32 MiB. Stage 3 frees its root unit every
-# step (config/shakespeare_cpu.py: the tied embedding, 26 MB unsharded), so from the first step on every buffer under
-# 26 MB comes from the heap, the root's next gathers and grads too, and buffers of a step's many lifetimes leave holes
-# the next step's cannot fill. A fixed threshold keeps the buffers of 16 MiB and more out of the heap (with huge pages,
-# above, a mapping faults in 2 MiB at a time). A user's own MALLOC_MMAP_THRESHOLD_ wins; off glibc nothing is set.
+# [Note: the host allocator's mmap threshold] glibc maps a buffer of at least its mmap threshold on its own (unmapped
+# when freed) and cuts smaller ones from its heap, which keeps what is freed. The threshold rises to the size of every
+# mapped buffer freed, up to 32 MiB: once stage 3 frees its root unit (config/shakespeare_cpu.py: 26 MB), every later
+# buffer under that comes from the heap, where a step's buffers of many lifetimes leave holes. Fixed at 16 MiB, compiled
+# stage 3's peak RSS went from 1.07-1.24x stage 2's to 0.97-1.02x, its step from 1.01x to 1.05-1.07x (its root's gather
+# faults a fresh mapping in; assets/stage3_cpu.md). A user's own MALLOC_MMAP_THRESHOLD_ wins; off glibc, nothing is set.
 HOST_MMAP_THRESHOLD = 16 << 20
 if sys.platform.startswith('linux') and 'MALLOC_MMAP_THRESHOLD_' not in os.environ:
     with contextlib.suppress(OSError, AttributeError):
