@@ -48,9 +48,11 @@ os.environ.setdefault('THP_MEM_ALLOC_ENABLE', '1')
 # mapped buffer freed, up to 32 MiB: once stage 3 frees its root unit (config/shakespeare_cpu.py: 26 MB), every later
 # buffer under that comes from the heap, where a step's buffers of many lifetimes leave holes. Fixed at 16 MiB, compiled
 # stage 3's peak RSS went from 1.07-1.24x stage 2's to 0.97-1.02x, its step from 1.01x to 1.05-1.07x (its root's gather
-# faults a fresh mapping in; assets/stage3_cpu.md). A user's own MALLOC_MMAP_THRESHOLD_ wins; off glibc, nothing is set.
+# faults a fresh mapping in; assets/stage3_cpu.md). A user's own threshold wins (MALLOC_MMAP_THRESHOLD_ or
+# GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...); off glibc, nothing is set.
 HOST_MMAP_THRESHOLD = 16 << 20
-if sys.platform.startswith('linux') and 'MALLOC_MMAP_THRESHOLD_' not in os.environ:
+if sys.platform.startswith('linux') and not ('MALLOC_MMAP_THRESHOLD_' in os.environ
+                                             or 'mmap_threshold' in os.environ.get('GLIBC_TUNABLES', '')):
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).mallopt(-3, HOST_MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD
 

@@ -194,16 +194,17 @@ print(libc.mallinfo2().hblkhd)  # bytes in buffers with a mapping of their own
 def test_importing_kernels_keeps_buffers_of_16_mib_and_more_out_of_glibcs_heap():
     """[Note: the host allocator's mmap threshold]: after a 24 MB buffer is freed, a 20 MB one still gets a mapping of
     its own (returned to the OS when freed) once kernels is imported; without the import glibc's moving threshold puts
-    it in the heap, and a user's own MALLOC_MMAP_THRESHOLD_ (64 MiB here) wins over ours."""
+    it in the heap, and a user's own threshold (64 MiB here, by MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES) wins over ours."""
     def mapped(*modules, **env):
         out = subprocess.run([sys.executable, '-c', MMAP_PROBE, *modules], capture_output=True, text=True, check=True,
                              cwd=os.path.dirname(os.path.abspath(__file__)), env={**os.environ, **env})
         return int(out.stdout.split()[-1])
-    plain_env = {k: v for k, v in os.environ.items() if k != 'MALLOC_MMAP_THRESHOLD_'}
+    plain_env = {k: v for k, v in os.environ.items() if k not in ('MALLOC_MMAP_THRESHOLD_', 'GLIBC_TUNABLES')}
     with mock.patch.dict(os.environ, plain_env, clear=True):
         imported, plain = mapped('kernels'), mapped()
         users = mapped('train', MALLOC_MMAP_THRESHOLD_=str(64 * 2 ** 20))
-    assert imported >= 20 * 2 ** 20 > max(plain, users), (imported, plain, users)
+        tunable = mapped('train', GLIBC_TUNABLES=f'glibc.malloc.mmap_threshold={64 * 2 ** 20}')
+    assert imported >= 20 * 2 ** 20 > max(plain, users, tunable), (imported, plain, users, tunable)
 
 
 def test_reference_matches_torch_adamw_exactly_over_steps():
