@@ -23,10 +23,11 @@ the root unit (the tied embedding, half of Ψ) is gathered.
                [Note: the last unit stays gathered]); hook the outputs to catch the pre-backward
     backward:  pre-backward: unshard again if resharded, prefetch the previous unit(s)
                post-backward (zero.py, once the unit's grads are all in its bucket): reduce-scatter, reshard
+               (the root at the step: [Note: the root stays gathered through a step])
 
 A unit is SHARDED, IN_FLIGHT (its all-gather launched, not waited) or UNSHARDED. With prefetch depth d,
 at most d + 1 block units are unsharded or in flight at once (plus the root, which FSDP2 also keeps
-unsharded from its forward to the end of backward): Schedule.peak_live counts them.
+unsharded from its forward to the end of backward, and we to the step): Schedule.peak_live counts them.
 """
 import functools
 from enum import Enum
@@ -202,7 +203,8 @@ class Unit:
 
     def post_backward(self):
         """Called by zero.py once this unit's grads are all in its bucket and reduce-scatter is launched."""
-        self.reshard()
+        if not self.is_root:  # [Note: the root stays gathered through a step]
+            self.reshard()
 
 
 def group_blocks(blocks, per_unit):
@@ -231,20 +233,29 @@ def fully_shard(triples, root, comm, cfg):
 def describe(units, cfg):
     """train.py's startup line for stage 3: its units and the collectives a micro-step issues."""
     sizes = [len(u.module) for u in units if not u.is_root][::-1]  # zero.py lists them as backward finishes them
-    n = len(sizes)  # forward gathers every unit, backward all but the root and the last (kept)
-    gathers = len(units) + max(n - 1, 0) * cfg.reshard_after_forward
+    n = len(sizes)  # forward gathers every block unit, backward all but the last (kept); the root once a step
+    gathers = n + max(n - 1, 0) * cfg.reshard_after_forward
     if len(set(sizes)) == 1:
         blocks = f"of {sizes[0]} block{'s' * (sizes[0] > 1)}"
     else:
         blocks = f"({' + '.join(map(str, sizes))} blocks)"
     return (f"stage 3: {n} unit{'s' * (n != 1)} {blocks} + the root (blocks_per_unit={cfg.blocks_per_unit}), prefetch "
-            f"{cfg.prefetch}: {gathers} all-gathers and {len(units)} reduce-scatters a micro-step")
+            f"{cfg.prefetch}: {gathers} all-gather{'s' * (gathers != 1)} and {len(units)} reduce-scatters a micro-step, "
+            "+ the root's all-gather once a step")
 
 
 def finish_backward(units):
-    """End of backward: whatever is still unsharded (the root; a unit whose grads never came) is freed."""
+    """End of a micro-step's backward: a block unit still unsharded (its grads never came) is freed; the root is not.
+
+    [Note: the root stays gathered through a step] No param changes between the micro-steps of a step, and the next
+    forward starts with the root: resharding it after backward only to gather it again first thing sends Ψ_root a
+    micro-step for nothing (GPT-2 124M: 31% of Ψ). So it stays gathered until zero.py's step, which reshards every
+    unit before it writes the shards: a step gathers the root once, not once a micro-step. No peak grows: each forward
+    gathers the root before anything else and keeps it to the end of backward anyway. (FSDP2 gets the same from
+    set_reshard_after_backward(False) on all but the last micro-step.)"""
     for unit in units:
-        unit.reshard()
+        if not unit.is_root:
+            unit.reshard()
         unit.schedule.recorded = True
 
 

@@ -55,7 +55,8 @@ def communication(stage, psi, accum, cfg):
     """Elements each rank sends per step (the paper's convention: an all-reduce of n elements is 2n, a
     reduce-scatter or all-gather n), and bytes at the configured dtypes. accum: micro-steps per rank.
     Stage 3 counts the backward re-gather of every unit; the root unit and the last block unit are kept from forward
-    to backward, so the real figure is lower by their share (train.py's log shows what is sent)."""
+    to backward, and the root through the step's micro-steps, so the real figure is lower by their share (train.py's
+    log shows what is sent)."""
     if stage == 0:
         return {'all_reduce': (2 * psi, 2 * psi * 4)}  # DDP's grads are fp32 (the params are)
     rs = psi * (accum if stage >= 2 else 1)  # stages 2/3 keep no full grad: a reduce-scatter per micro-step

@@ -38,22 +38,22 @@ def test_zero3_with_blocks_grouped_into_units_matches_ddp_in_fewer_collectives_o
     not 2 * 3, as train.py's startup line (fsdp_lite.describe) says."""
     accum = 2 * world_size  # 2 micro-steps per rank
     ddp, per_block = get(world_size, kind='ddp', accum=accum), get(world_size, kind='zero3', accum=accum)
-    described = {2: 'stage 3: 2 units (2 + 1 blocks) + the root (blocks_per_unit=2), prefetch 1: 4 all-gathers and 3 '
-                    'reduce-scatters a micro-step',
-                 3: 'stage 3: 1 unit of 3 blocks + the root (blocks_per_unit=3), prefetch 1: 2 all-gathers and 2 '
-                    'reduce-scatters a micro-step'}
+    described = {2: 'stage 3: 2 units (2 + 1 blocks) + the root (blocks_per_unit=2), prefetch 1: 3 all-gathers and 3 '
+                    "reduce-scatters a micro-step, + the root's all-gather once a step",
+                 3: 'stage 3: 1 unit of 3 blocks + the root (blocks_per_unit=3), prefetch 1: 1 all-gather and 2 '
+                    "reduce-scatters a micro-step, + the root's all-gather once a step"}
     for k, units in ((2, 2), (3, 1)):
         run = get(world_size, kind='zero3', accum=accum, blocks_per_unit=k, trace=True)
         assert_same_run(run, ddp)
         assert run['n_buckets'] == units + 1  # + the root's
         # reduce-scattered: the same elements, less the pads of fewer units (~0.1%; a block missing would be ~30%);
-        # all-gathered: every unit in forward, all but the root and the last again in backward (as counted for k=1 in
-        # test_counted_communication_is_2psi_for_ddp_and_zero12_and_3psi_for_zero3)
+        # all-gathered: every block unit in forward, all but the last again in backward, the root once a step (as
+        # counted for k=1 in test_counted_communication_is_2psi_for_ddp_and_zero12_and_3psi_for_zero3)
         numel = per_block['comm']['reduce_scatter']
         assert 0.99 * numel <= run['comm']['reduce_scatter'] <= numel, (run['comm'], numel)
         P, root, last = run['padded'], run['root_padded'], run['last_padded']
-        assert run['comm']['all_gather'] == STEPS * 2 * (2 * P - root - last) + last
-        assert sum(event == 'gather' for event, _ in run['events']) == 2 * (2 * units)  # the last step's 2 micro-steps
+        assert run['comm']['all_gather'] == STEPS * (2 * (2 * P - 2 * root - last) + root) + last
+        assert sum(event == 'gather' for event, _ in run['events']) == 2 * (2 * units) - 1  # the last step's 2 micro-steps
         assert run['describe'] == described[k]
 
 
@@ -86,6 +86,34 @@ def test_zero3_steps_safely_after_a_forward_that_no_backward_followed():
         assert all(u.state is fsdp_lite.State.SHARDED and u.sharded_param.untyped_storage().nbytes() == u.shard_nbytes
                    for u in engine.units)
         assert all(torch.equal(a, u.sharded_param) for a, u in zip(before, engine.units))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero3_keeps_the_root_gathered_between_micro_steps_and_the_step_reshards_it():
+    """[Note: the root stays gathered through a step]: after each micro-step's backward every block unit is sharded
+    and the root is not (its shard still lent); the root is gathered once a step, counted in elements; the step puts
+    every shard back, the root's as it was gathered (lr 0), and the next step gathers the root again."""
+    dist.init_process_group('fake', rank=0, world_size=2, store=FakeStore())
+    try:
+        model, x = tiny_model(0), torch.randint(TINY['vocab_size'], (2, T))
+        engine = make_engine('zero3', model, 1.0)
+        root = next(u for u in engine.units if u.is_root)
+        blocks = sum(u.bucket.padded_numel for u in engine.units if not u.is_root)
+        last = engine.buckets[0].padded_numel  # the last block unit of forward: kept into backward once it is known
+        for step in range(2):
+            before = engine.comm.numel.get('all_gather', 0)
+            for _ in range(3):
+                engine.backward(model(x, x)[1])
+                assert root.state is fsdp_lite.State.UNSHARDED and root.sharded_param.untyped_storage().nbytes() == 0
+                assert all(u.state is fsdp_lite.State.SHARDED for u in engine.units if not u.is_root)
+            first = last if step == 0 else 0  # the run's first forward cannot know its last block: regathered once
+            assert engine.comm.numel['all_gather'] - before == root.bucket.padded_numel + 3 * (2 * blocks - last) + first
+            gathered = root.bucket.shard(root.unsharded_param).clone()
+            engine.step(0.0)
+            assert all(u.state is fsdp_lite.State.SHARDED and u.sharded_param.untyped_storage().nbytes() == u.shard_nbytes
+                       for u in engine.units)
+            assert torch.equal(root.sharded_param, gathered)
     finally:
         dist.destroy_process_group()
 

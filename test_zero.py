@@ -635,19 +635,22 @@ def test_counted_communication_is_2psi_for_ddp_and_zero12_and_3psi_for_zero3(wor
     assert ddp['comm'] == {'all_reduce': 2 * ddp['psi'] * STEPS}  # the one all-reduce a step: 2Ψ
     for stage in (1, 2, 3):
         r = get(world_size, kind=f'zero{stage}', accum=a * world_size)
-        P, kept = r['padded'], r.get('root_padded', 0) + r.get('last_padded', 0)  # P: Ψ plus the pads
+        P, root = r['padded'], r.get('root_padded', 0)  # P: Ψ plus the pads
+        kept = root + r.get('last_padded', 0)
         per_step = {1: dict(reduce_scatter=P, all_gather=P),  # once a step, after the last micro-step
                     2: dict(reduce_scatter=a * P, all_gather=P),  # reduce-scatter every micro-step
                     # forward gathers P, backward re-gathers all but the root unit (kept, as in FSDP2) and the last
-                    # block unit (fsdp_lite [Note: the last unit stays gathered])
-                    3: dict(reduce_scatter=a * P, all_gather=a * (2 * P - kept))}[stage]
+                    # block unit (fsdp_lite [Note: the last unit stays gathered]); the root is gathered once a step
+                    # (fsdp_lite [Note: the root stays gathered through a step])
+                    3: dict(reduce_scatter=a * P, all_gather=a * (2 * P - kept - root) + root)}[stage]
         expected = {k: v * STEPS for k, v in per_step.items()}
         expected['all_gather'] += r.get('last_padded', 0)  # the run's first forward cannot know its last block yet
         expected['all_reduce'] = 2 * STEPS  # the grad norm: one fp32 scalar a step
         assert r['comm'] == expected
         assert 1.0 <= P / r['psi'] < 1.02
     kept = get(world_size, kind='zero3', accum=a * world_size, prefetch=0, reshard_after_forward=False)
-    assert kept['comm']['all_gather'] == STEPS * a * kept['padded']  # no backward re-gather: 2Ψ
+    # no backward re-gather: every block unit once a micro-step, the root once a step
+    assert kept['comm']['all_gather'] == STEPS * (a * (kept['padded'] - kept['root_padded']) + kept['root_padded'])
 
 
 def test_stages_2_and_3_keep_one_bucket_sized_grad_buffer_alive():

@@ -10,8 +10,9 @@ it on every one of N ranks. ZeRO keeps each number on exactly one rank:
     stage 3  ... and the params (fsdp_lite) 16Ψ/N               + an all-gather per block in fwd and bwd = 3Ψ*
 
 (communication in elements per rank per step; a DDP all-reduce = reduce-scatter + all-gather = 2Ψ.
-*3Ψ less the root unit, which stays gathered from its forward to the end of backward, as in FSDP2, and the last
-block unit, which stays gathered into its backward: fsdp_lite [Note: the last unit stays gathered]).
+*3Ψ less the root unit, which stays gathered from its forward to the end of backward, as in FSDP2 (and through
+every micro-step of a step: fsdp_lite [Note: the root stays gathered through a step]), and the last block unit,
+which stays gathered into its backward: fsdp_lite [Note: the last unit stays gathered]).
 `comm.Comm` counts what this code actually sends, so the training log shows those figures.
 What each rank holds, and what it would hold before you rent the GPUs: memory.py (`python zero.py estimate`).
 
@@ -506,8 +507,9 @@ class Zero3(Zero2):
         fsdp_lite.finish_backward(self.units)
 
     def step(self, lr):
-        # a forward that no backward followed leaves the root and the last unit gathered, a lent shard's storage freed
-        # (fsdp_lite [Note: a gathered unit holds its shard once]): every shard goes back before the step writes them
+        # the root stays gathered through the micro-steps (fsdp_lite [Note: the root stays gathered through a step]), and
+        # a forward that no backward followed leaves the last unit gathered too, a lent shard's storage freed (fsdp_lite
+        # [Note: a gathered unit holds its shard once]): every shard goes back before the step writes them
         for unit in self.units:
             unit.reshard()  # after a backward: nothing to do
         return super().step(lr)
