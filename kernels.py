@@ -46,7 +46,9 @@ os.environ.setdefault('THP_MEM_ALLOC_ENABLE', '1')
 # [Note: the host allocator's mmap threshold] glibc maps a buffer of at least its mmap threshold on its own (unmapped
 # when freed) and cuts smaller ones from its heap, which keeps what is freed. The threshold rises to the size of every
 # mapped buffer freed, up to 32 MiB: once stage 3 frees its root unit (config/shakespeare_cpu.py: 26 MB), every later
-# buffer under that comes from the heap, where a step's buffers of many lifetimes leave holes. Fixed at 16 MiB, compiled
+# buffer under that comes from the heap, where a step's buffers of many lifetimes leave holes. Fixing it also stops glibc
+# raising its trim threshold with it (twice the mmap threshold; else the heap's top, returned at 128 KiB, faults in
+# again), so that one is set to 32 MiB, as glibc would. Fixed at 16 MiB, compiled
 # stage 3's peak RSS went from 1.07-1.24x stage 2's to 0.97-1.02x, its step from 1.01x to 1.05-1.07x (its root's gather
 # faults a fresh mapping in; assets/stage3_cpu.md). A user's own threshold wins (MALLOC_MMAP_THRESHOLD_ or
 # GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...); off glibc, nothing is set.
@@ -55,6 +57,8 @@ if sys.platform.startswith('linux') and not ('MALLOC_MMAP_THRESHOLD_' in os.envi
                                              or 'mmap_threshold' in os.environ.get('GLIBC_TUNABLES', '')):
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).mallopt(-3, HOST_MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD
+        if not ('MALLOC_TRIM_THRESHOLD_' in os.environ or 'trim_threshold' in os.environ.get('GLIBC_TUNABLES', '')):
+            ctypes.CDLL(None).mallopt(-1, 2 * HOST_MMAP_THRESHOLD)  # -1: M_TRIM_THRESHOLD, as glibc's own rule sets it
 
 # ----------------------------------------------------------------------------
 # precision modes: what a shard keeps per element, for the ZeRO layout and its memory tables

@@ -185,26 +185,36 @@ libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = Mallinfo2
 x = torch.ones(6 * 2 ** 20)  # 24 MB: mapped, and freed (glibc's threshold would follow it up to 24 MB)
 del x
+before = libc.mallinfo2().hblkhd  # bytes in buffers with a mapping of their own
 y = torch.ones(5 * 2 ** 20)  # 20 MB
-print(libc.mallinfo2().hblkhd)  # bytes in buffers with a mapping of their own
+libc.malloc.restype = ctypes.c_void_p
+assert libc.mallinfo2().fordblks < 15 * 2 ** 20  # no free chunk can hold the next buffer: it comes from the heap's top
+libc.free(ctypes.c_void_p(libc.malloc(15 * 2 ** 20)))
+print(libc.mallinfo2().hblkhd - before, libc.mallinfo2().keepcost)  # keepcost: the heap's free top, kept (not trimmed)
 """
 
 
-@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), 'mallinfo2'), reason="glibc's allocator (mallinfo2, glibc >= 2.33)")
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), 'mallinfo2') or 'LD_PRELOAD' in os.environ,
+                    reason="glibc's allocator (mallinfo2, glibc >= 2.33), not one preloaded in its place")
 def test_importing_kernels_keeps_buffers_of_16_mib_and_more_out_of_glibcs_heap():
     """[Note: the host allocator's mmap threshold]: after a 24 MB buffer is freed, a 20 MB one still gets a mapping of
-    its own (returned to the OS when freed) once kernels is imported; without the import glibc's moving threshold puts
-    it in the heap, and a user's own threshold (64 MiB here, by MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES) wins over ours."""
+    its own (returned to the OS when freed) once kernels is imported, and 15 MiB freed at the heap's top stay in the
+    process (the trim threshold); without the import glibc's moving threshold puts the 20 MB in the heap, and a user's
+    own threshold (64 MiB here, by MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES) wins over ours."""
     def mapped(*modules, **env):
         out = subprocess.run([sys.executable, '-c', MMAP_PROBE, *modules], capture_output=True, text=True, check=True,
                              cwd=os.path.dirname(os.path.abspath(__file__)), env={**os.environ, **env})
-        return int(out.stdout.split()[-1])
+        mapped, kept = map(int, out.stdout.split()[-2:])
+        kept_tops.append(kept)
+        return mapped
+    kept_tops = []
     plain_env = {k: v for k, v in os.environ.items() if k not in ('MALLOC_MMAP_THRESHOLD_', 'GLIBC_TUNABLES')}
     with mock.patch.dict(os.environ, plain_env, clear=True):
         imported, plain = mapped('kernels'), mapped()
         users = mapped('train', MALLOC_MMAP_THRESHOLD_=str(64 * 2 ** 20))
         tunable = mapped('train', GLIBC_TUNABLES=f'glibc.malloc.mmap_threshold={64 * 2 ** 20}')
     assert imported >= 20 * 2 ** 20 > max(plain, users, tunable), (imported, plain, users, tunable)
+    assert kept_tops[0] >= 15 * 2 ** 20, kept_tops  # ours: the trim threshold at 32 MiB too, a freed 15 MiB kept
 
 
 def test_reference_matches_torch_adamw_exactly_over_steps():
