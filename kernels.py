@@ -47,10 +47,10 @@ os.environ.setdefault('THP_MEM_ALLOC_ENABLE', '1')
 # when freed) and cuts smaller ones from its heap, which keeps what is freed. The threshold rises to the size of every
 # mapped buffer freed, up to 32 MiB: once stage 3 frees its root unit (config/shakespeare_cpu.py: 26 MB), every later
 # buffer under that comes from the heap, where a step's buffers of many lifetimes leave holes. Fixing it also stops glibc
-# raising its trim threshold with it (twice the mmap threshold; else the heap's top, returned at 128 KiB, faults in
-# again), so that one is set to 32 MiB, as glibc would. Fixed at 16 MiB, compiled
-# stage 3's peak RSS went from 1.07-1.24x stage 2's to 0.97-1.02x, its step from 1.01x to 1.04x (its root's gather
-# faults a fresh mapping in; assets/stage3_cpu.md). A user's own threshold wins (MALLOC_MMAP_THRESHOLD_ or
+# raising its trim threshold with it (to twice the mmap threshold; at 128 KiB the heap's top goes back to the OS and
+# faults in again), so that one is set to 32 MiB, as glibc would. Fixed at 16 MiB, compiled stage 3's peak RSS went
+# from 1.07-1.24x stage 2's to 0.97-1.02x, its step from 1.01x to 1.04x (its root's gather faults a fresh mapping in;
+# assets/stage3_cpu.md). A user's own thresholds win (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or
 # GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...); off glibc, nothing is set.
 HOST_MMAP_THRESHOLD = 16 << 20
 if sys.platform.startswith('linux') and not ('MALLOC_MMAP_THRESHOLD_' in os.environ
