@@ -14,7 +14,7 @@ dtype: fp32 compute, or a stored bf16 shard), the unsharded param holds this ran
 this rank's offset: keeping the sharded param beside it too would hold Ψ_unit/N twice. So, given a sharded
 param with a storage of its own, a unit frees that storage once its all-gather is done and copies the shard
 back out of the unsharded param when it reshards (one shard-sized copy). Nothing reads the sharded param in
-between: the optimizer steps after backward, when every unit is sharded again. FSDP2 keeps both; on a
+between: the optimizer steps once zero.py's step has sharded every unit again. FSDP2 keeps both; on a
 2-rank GPT of 51M params (fp32) this is what puts stage 3's peak below stage 2's: at the start of backward
 the root unit (the tied embedding, half of Ψ) is gathered.
 
