@@ -194,7 +194,7 @@ def transient_bytes(engine):
 
 def transient_bound(engine):
     """The same from the engine's counters: peak live grad buffers x the largest bucket, and in stage 3 peak live
-    block units x the largest of them + the root unit (unsharded from its forward to the end of backward)."""
+    block units x the largest of them + the root unit (unsharded from its first forward of a step to the step)."""
     if not ours(engine) or engine.cfg.stage == 1:
         return 0
     bound = engine.peak_grad_buffers * max(b.padded_numel for b in engine.buckets) * engine.cfg.reduce_dtype.itemsize

@@ -202,8 +202,15 @@ class Unit:
         self.wait_for_unshard()
 
     def post_backward(self):
-        """Called by zero.py once this unit's grads are all in its bucket and reduce-scatter is launched."""
-        if not self.is_root:  # [Note: the root stays gathered through a step]
+        """Called by zero.py once this unit's grads are all in its bucket and reduce-scatter is launched.
+
+        [Note: the root stays gathered through a step] No param changes between the micro-steps of a step, and the next
+        forward starts with the root: resharding it after backward only to gather it again first thing sends Ψ_root a
+        micro-step for nothing (GPT-2 124M: 31% of Ψ). So it stays gathered until zero.py's step, which reshards every
+        unit before it writes the shards: a step gathers the root once, not once a micro-step. No peak grows: each
+        forward gathers the root before anything else and keeps it to the end of backward anyway. (FSDP2 gets the same
+        from set_reshard_after_backward(False) on all but the last micro-step.)"""
+        if not self.is_root:
             self.reshard()
 
 
@@ -245,17 +252,9 @@ def describe(units, cfg):
 
 
 def finish_backward(units):
-    """End of a micro-step's backward: a block unit still unsharded (its grads never came) is freed; the root is not.
-
-    [Note: the root stays gathered through a step] No param changes between the micro-steps of a step, and the next
-    forward starts with the root: resharding it after backward only to gather it again first thing sends Ψ_root a
-    micro-step for nothing (GPT-2 124M: 31% of Ψ). So it stays gathered until zero.py's step, which reshards every
-    unit before it writes the shards: a step gathers the root once, not once a micro-step. No peak grows: each forward
-    gathers the root before anything else and keeps it to the end of backward anyway. (FSDP2 gets the same from
-    set_reshard_after_backward(False) on all but the last micro-step.)"""
+    """End of a micro-step's backward: a unit whose grads never came is done with as if they had (post_backward)."""
     for unit in units:
-        if not unit.is_root:
-            unit.reshard()
+        unit.post_backward()
         unit.schedule.recorded = True
 
 

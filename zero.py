@@ -511,7 +511,7 @@ class Zero3(Zero2):
         # a forward that no backward followed leaves the last unit gathered too, a lent shard's storage freed (fsdp_lite
         # [Note: a gathered unit holds its shard once]): every shard goes back before the step writes them
         for unit in self.units:
-            unit.reshard()  # after a backward: nothing to do
+            unit.reshard()  # after a backward: the root alone
         return super().step(lr)
 
     def gather_params(self, b):
