@@ -244,8 +244,9 @@ extern "C" int adamw_step(const AdamWArgs* a, void* stream) {
 }
 
 // A stage-3 gather's compute param from the fp32 master shard: kernels.cast_param, one pass of 6 bytes an element
+// (`parallel:` keeps the threshold off the simd: a bare if(...) on a combined construct turns simd off too)
 extern "C" int cast_bf16(const float* x, bf16* out, int64_t n, void* stream) {
-  #pragma omp parallel for simd if(n > 65536)
+  #pragma omp parallel for simd if(parallel: n > 65536)
   for (int64_t i = 0; i < n; ++i) out[i] = bf16_away(x[i]);
   return 0;
 }
