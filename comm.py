@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401  before any process group: [Note: the end of a run]
 from torch.profiler import record_function
 
 # torch 2.13 renames these two collectives (the old names warn at every call, ~7 us); torch 2.11 (our GPU machines)
@@ -155,6 +156,14 @@ class Comm:
 # until each one's C++ use count is back to the 1 of its own Python object. Earlier collectives' tensors are let
 # go while the rank waits in that all-reduce and sleeps (their workers get the GIL then). NCCL runs its work on
 # the GPU's streams and is left to destroy_process_group.
+# That wait covers the tensors it knows; destroy_process_group covers the rest, by destroying the group, whose
+# destructor lets go of the GIL and joins gloo's workers while Python is whole. It can only do so if nothing else
+# holds the group, and torch itself did: torch.distributed.nn.functional writes `group=group.WORLD` as a default
+# argument of ten functions, evaluated when the module is first imported, and torch._dynamo imports it (meta
+# init and torch.compile import torch._dynamo). Imported after init_process_group, it kept the default group in
+# those defaults for good, its workers alive into the shutdown: a short train.py run aborted so at exit once in
+# 177 (2 ranks on 2 CPU cores). Imported before any group exists (3 ms), the defaults hold None, and the group
+# goes at destroy_process_group (or, under DDP, which holds it too, when the engine goes: still before shutdown).
 
 
 def end_process_group(device, *held, timeout=10.0):

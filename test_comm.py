@@ -7,6 +7,7 @@ step show. In-process, on torch's fake process group (rank 0 of world_size ranks
 """
 import contextlib
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -315,6 +316,32 @@ def test_a_tensor_never_let_go_ends_the_run_after_the_timeout_with_a_warning(glo
     with pytest.warns(UserWarning, match='gloo still holds a tensor 0.2 s after the last collective'):
         comm.end_process_group(torch.device('cpu'), t, timeout=0.2)
     assert 0.2 <= time.perf_counter() - t0 < 5 and not dist.is_initialized() and t._use_count() == 2  # (the view)
+
+
+GLOO_THREADS_AFTER_THE_END = """
+import os, sys, torch
+sys.path.insert(0, os.getcwd())
+import comm  # first, as train.py and the benches import it
+import torch.distributed as dist
+os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[1])
+dist.init_process_group('gloo', rank=0, world_size=1)
+import torch._dynamo  # noqa: F401  later, as meta init and torch.compile import it
+t = torch.ones(4)
+dist.all_reduce(t)
+comm.end_process_group(torch.device('cpu'), t)
+names = [open(f'/proc/self/task/{tid}/comm').read().strip() for tid in os.listdir('/proc/self/task')]
+print(sorted(n for n in names if 'gloo' in n))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir('/proc/self/task'), reason="reads the process's threads from Linux's /proc")
+def test_the_end_of_a_run_joins_gloos_threads_while_python_is_whole():
+    # [Note: the end of a run]: torch._dynamo imported after the group started (as train.py's meta init and compile do)
+    # kept the group alive past destroy_process_group, its worker threads too, into the interpreter's shutdown
+    out = subprocess.run([sys.executable, '-c', GLOO_THREADS_AFTER_THE_END, str(29400 + os.getpid() % 500)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == '[]', out.stdout  # was ['gloo_tcp_loop', 'pt_gloo_runloop', 'pt_gloo_runloop']
 
 
 def test_named_ranges_open_only_while_a_profiler_records(monkeypatch):
