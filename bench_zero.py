@@ -219,6 +219,8 @@ def meter_transient(engine, peak):
 
 def bench_zero(args):
     cfg = train.parse_config([args.config] + [f'--{kv}' for kv in args.set])
+    if 'ddp+zero_redundancy' in args.kinds.split(','):  # its module takes group.WORLD as a default argument: imported
+        import torch.distributed.optim  # noqa: F401    # before the group starts ([Note: the end of a run])
     device, rank, world_size = train.setup_distributed(cfg)
     train.check_config(cfg, world_size)
     kinds = args.kinds.split(',')

@@ -164,6 +164,9 @@ class Comm:
 # those defaults for good, its workers alive into the shutdown: a short train.py run aborted so at exit once in
 # 177 (2 ranks on 2 CPU cores). Imported before any group exists (3 ms), the defaults hold None, and the group
 # goes at destroy_process_group (or, under DDP, which holds it too, when the engine goes: still before shutdown).
+# Any module that takes group.WORLD as a default must be imported before the group starts: bench.py zero does so for
+# ZeroRedundancyOptimizer's. Not covered: after an FSDP2 run (bench.py zero's fsdp2, test_zero.py's oracle), something
+# outside Python's reach (a DTensor sharding cache, it seems) still holds its DeviceMesh, hence the group.
 
 
 def end_process_group(device, *held, timeout=10.0):

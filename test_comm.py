@@ -323,14 +323,17 @@ import os, sys, torch
 sys.path.insert(0, os.getcwd())
 import comm  # first, as train.py and the benches import it
 import torch.distributed as dist
-os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[1])
-dist.init_process_group('gloo', rank=0, world_size=1)
+def gloo_threads():
+    names = [open(f'/proc/self/task/{tid}/comm').read().strip() for tid in os.listdir('/proc/self/task')]
+    return sorted(n for n in names if 'gloo' in n)
+assert 'torch._dynamo' not in sys.modules  # else the import below would not be the first
+dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())
 import torch._dynamo  # noqa: F401  later, as meta init and torch.compile import it
 t = torch.ones(4)
 dist.all_reduce(t)
+assert gloo_threads(), 'no thread named gloo while the group runs: the check below would see none either way'
 comm.end_process_group(torch.device('cpu'), t)
-names = [open(f'/proc/self/task/{tid}/comm').read().strip() for tid in os.listdir('/proc/self/task')]
-print(sorted(n for n in names if 'gloo' in n))
+print(gloo_threads())
 """
 
 
@@ -338,8 +341,7 @@ print(sorted(n for n in names if 'gloo' in n))
 def test_the_end_of_a_run_joins_gloos_threads_while_python_is_whole():
     # [Note: the end of a run]: torch._dynamo imported after the group started (as train.py's meta init and compile do)
     # kept the group alive past destroy_process_group, its worker threads too, into the interpreter's shutdown
-    out = subprocess.run([sys.executable, '-c', GLOO_THREADS_AFTER_THE_END, str(29400 + os.getpid() % 500)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, '-c', GLOO_THREADS_AFTER_THE_END], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == '[]', out.stdout  # was ['gloo_tcp_loop', 'pt_gloo_runloop', 'pt_gloo_runloop']
 

@@ -720,11 +720,12 @@ def test_the_librarys_bf16_cast_is_cast_params_bit_for_bit_on_the_masters_device
 def test_every_openmp_if_on_a_simd_loop_names_the_parallel_construct():
     # OpenMP 5.0: an if clause on `parallel for simd` without a modifier applies to the simd too, so below its
     # threshold the loop ran scalar (GCC 12: the cast of a 65,536-element shard took 42 us, 6 us with `if(parallel:`)
-    source = kernels.CPU_SOURCE
-    pragmas = [line.strip() for line in source.splitlines() if line.strip().startswith("#pragma omp")]
-    simd_ifs = [p for p in pragmas if "simd" in p.split() and " if(" in p]
-    assert simd_ifs, "no `parallel ... simd if(...)` left to check: the test must look elsewhere"
-    assert all(" if(parallel:" in p for p in simd_ifs), simd_ifs
+    source = re.sub(r"\\\n", " ", kernels.CPU_SOURCE)  # a pragma continued over lines is one line
+    pragmas = re.findall(r"^[ \t]*#[ \t]*pragma[ \t]+omp\b(.*)$", source, flags=re.MULTILINE)
+    combined = [p for p in pragmas if re.search(r"\bparallel\b", p) and re.search(r"\bsimd\b", p)]
+    assert any(re.search(r"\bif\s*\(", p) for p in combined), "no `parallel ... simd if(...)` left: look elsewhere"
+    for p in combined:  # every if on such a construct says which construct it is for
+        assert all(re.match(r"(parallel|simd)\s*:", rest.lstrip()) for rest in re.split(r"\bif\s*\(", p)[1:]), p
 
 
 # ----------------------------------------------------------------------------
