@@ -300,7 +300,9 @@ def bench_zero(args):
     dist.all_gather_into_tensor(every, mine)
     if rank == 0:
         report(args, cfg, engines, first, sent, times, exposed, alone, pops, every.cpu().view(world_size, -1, 3))
-    comm.end_process_group(device, mine, every)  # [Note: the end of a run]
+    engine = None  # the engines go before the group does (FSDP2's params hold its mesh): [Note: the end of a run]
+    engines.clear()
+    comm.end_process_group(device, mine, every)
 
 
 NOTES = """\

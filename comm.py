@@ -33,6 +33,7 @@ memory bandwidth (gloo on a CPU competes with compute: see bench_link.py), and s
 """
 import contextlib
 import gc
+import importlib
 import math
 import sys
 import time
@@ -167,11 +168,35 @@ class Comm:
 # 177 (2 ranks on 2 CPU cores). Imported before any group exists (3 ms), the defaults hold None, and the group
 # goes at destroy_process_group (or, under DDP, which holds it too, when the engine goes: still before shutdown).
 # Any module that takes group.WORLD as a default must be imported before the group starts: bench.py zero does so for
-# ZeroRedundancyOptimizer's. After an FSDP2 run (bench.py zero's fsdp2 kind, test_zero.py's oracle) DTensor's sharding
-# caches (one in C++) hold specs that hold its DeviceMesh, hence the group, and the sharded module sits in reference
-# cycles: the end clears those caches and collects the cycles first (either alone left the group alive). That frees
-# a module sharded and stepped in a function (test_comm.py); bench.py zero's fsdp2 kind still keeps its mesh, held
-# where gc cannot see, after its engine is gone (not found yet; test_zero.py's oracle not checked).
+# ZeroRedundancyOptimizer's. After FSDP2 (bench.py zero's fsdp2 kind, test_zero.py's oracle), DTensor's caches hold
+# its DeviceMesh, hence the group: sharding propagation's (one of them in C++), redistribution's plans and transforms,
+# the mesh's topology (clip_grad_norm_ and full_tensor fill the last two), and the sharded module sits in reference
+# cycles. So the end empties those caches and collects the cycles (let_go_of_dtensor_caches), once the caller has let
+# go of its engines: bench.py zero drops them first; train.py's are gone when main returns, before shutdown.
+
+
+# torch's caches that keep a DeviceMesh (so its process group) after the DTensors that used it are gone; private
+# names (torch 2.13): where one is missing, it is skipped
+DTENSOR_CACHES = (('torch.distributed.tensor.debug', '_clear_sharding_prop_cache'),  # op sharding, Python and C++
+                  ('torch.distributed.tensor._redistribute', 'clear_redistribute_planner_cache'),
+                  ('torch.distributed.tensor._redistribute', '_gen_transform_infos.cache_clear'),
+                  ('torch.distributed.tensor._collective_utils', 'MeshTopoInfo.build_from_mesh.cache_clear'))
+
+
+def let_go_of_dtensor_caches():
+    """Empty DTENSOR_CACHES and collect the cycles a sharded module leaves, if DTensor ran: [Note: the end of a run]."""
+    if 'torch.distributed.tensor' not in sys.modules:
+        return
+    for module, path in DTENSOR_CACHES:
+        try:
+            clear = importlib.import_module(module)
+        except ImportError:
+            continue
+        for name in path.split('.'):
+            clear = getattr(clear, name, None)
+        if clear is not None:
+            clear()
+    gc.collect()
 
 
 def end_process_group(device, *held, timeout=10.0):
@@ -185,10 +210,7 @@ def end_process_group(device, *held, timeout=10.0):
             warnings.warn(f"gloo still holds a tensor {timeout:g} s after the last collective; ending anyway")
             break
         time.sleep(1e-3)  # the GIL released: the worker takes it to let go
-    if 'torch.distributed.tensor' in sys.modules:  # e.g. FSDP2 ran: DTensor's sharding caches hold its mesh
-        from torch.distributed.tensor import debug
-        getattr(debug, '_clear_sharding_prop_cache', lambda: None)()  # (a private name: absent, nothing is cleared)
-        gc.collect()  # and a sharded module's own reference cycles
+    let_go_of_dtensor_caches()  # FSDP2's mesh, and so the group, held by them
     dist.destroy_process_group()
 
 # -----------------------------------------------------------------------------

@@ -336,6 +336,7 @@ if sys.argv[1] == 'fsdp2':  # a module sharded by FSDP2 on this group (bench.py 
         m = torch.nn.Linear(4, 4)
         fully_shard(m, mesh=init_device_mesh('cpu', (1,)))
         m(torch.ones(2, 4)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(list(m.parameters()), 1.0).full_tensor().item()  # as the oracle steps
     run()
 t = torch.ones(4)
 dist.all_reduce(t)
