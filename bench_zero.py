@@ -219,8 +219,10 @@ def meter_transient(engine, peak):
 
 def bench_zero(args):
     cfg = train.parse_config([args.config] + [f'--{kv}' for kv in args.set])
-    if 'ddp+zero_redundancy' in args.kinds.split(','):  # its module takes group.WORLD as a default argument: imported
-        import torch.distributed.optim  # noqa: F401    # before the group starts ([Note: the end of a run])
+    # ZeroRedundancyOptimizer's module takes group.WORLD as a default argument: import it before the group starts,
+    # or the default keeps the group past its end ([Note: the end of a run])
+    if 'ddp+zero_redundancy' in args.kinds.split(','):
+        import torch.distributed.optim  # noqa: F401
     device, rank, world_size = train.setup_distributed(cfg)
     train.check_config(cfg, world_size)
     kinds = args.kinds.split(',')

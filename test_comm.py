@@ -351,7 +351,7 @@ print(gloo_threads())
 def test_the_end_of_a_run_joins_gloos_threads_while_python_is_whole(run):
     # [Note: the end of a run]: torch._dynamo imported after the group started (as train.py's meta init and compile do)
     # kept the group alive past destroy_process_group, its worker threads too, into the interpreter's shutdown; and
-    # after FSDP2, DTensor's sharding caches kept its mesh, and so the group
+    # after FSDP2, DTensor's caches (comm.DTENSOR_CACHES) and the module's cycles kept its mesh, and so the group
     out = subprocess.run([sys.executable, '-c', GLOO_THREADS_AFTER_THE_END, run], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
