@@ -220,9 +220,10 @@ def meter_transient(engine, peak):
 def bench_zero(args):
     cfg = train.parse_config([args.config] + [f'--{kv}' for kv in args.set])
     # ZeroRedundancyOptimizer's module takes group.WORLD as a default argument: import it before the group starts,
-    # or the default keeps the group past its end ([Note: the end of a run])
+    # or the default keeps the group past its end ([Note: the end of a run]). (Not `import torch.distributed.optim`:
+    # in a function that binds `torch` as a local name, unbound wherever the import did not run.)
     if 'ddp+zero_redundancy' in args.kinds.split(','):
-        import torch.distributed.optim  # noqa: F401
+        from torch.distributed import optim  # noqa: F401
     device, rank, world_size = train.setup_distributed(cfg)
     train.check_config(cfg, world_size)
     kinds = args.kinds.split(',')

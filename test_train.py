@@ -167,6 +167,21 @@ def test_bench_zero_runs_every_kind_from_the_same_first_step():
     assert loss_spread <= 1e-6 * loss and norm_spread < 1e-4 * norm, out.stdout[:600]
 
 
+def test_no_function_imports_a_dotted_module_that_would_shadow_its_package():
+    # `import torch.distributed.optim` inside a function binds `torch` as that function's local: every use of torch
+    # in it (and in its closures) fails with NameError whenever the import did not run. bench.py zero had one under
+    # an `if`: the test above ran the kind that takes that branch, and every other --kinds failed at once.
+    root = os.path.dirname(os.path.abspath(__file__))
+    files = [f for f in os.listdir(root) if f.endswith('.py')] + [os.path.join('.ci', f) for f in os.listdir(
+        os.path.join(root, '.ci')) if f.endswith('.py')]
+    shadowing = [f'{f}:{node.lineno} import {a.name}' for f in files
+                 for fn in ast.walk(ast.parse(open(os.path.join(root, f)).read()))
+                 if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 for node in ast.walk(fn) if isinstance(node, ast.Import)
+                 for a in node.names if '.' in a.name and a.asname is None]
+    assert len(files) > 20 and not shadowing, shadowing
+
+
 def test_bench_zero_takes_only_settings_that_change_how_our_engine_is_built():
     cfg = train.parse_config([])
     kind, own = bench_zero.settings_of('zero3:blocks_per_unit=2:prefetch=0', cfg)
