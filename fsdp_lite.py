@@ -136,14 +136,15 @@ class Unit:
         # [Note: a cast per gather] With bf16 compute and an fp32 master every gather rounds the master shard again:
         # 2a - 1 times a step more than needed with a micro-steps (forward and backward re-gathers), one pass over 6
         # bytes an element of Ψ/N each, in the kernel library (kernels.cast_param with impl='auto'; its torch ops take
-        # seven passes and five temporaries, ~56 bytes an element). Two tricks were weighed and left out: keeping the
-        # bf16 shard that the fused step can write for free (2Ψ/N bytes more, what stage 3 is picked to save), and
-        # rounding straight into this rank's slice of the unsharded param to gather in place (a shard-sized temporary
-        # and copy less per gather). On an H200 the one-pass cast did not close compiled stage 3's gap to stage 2
-        # (README, "Measured: speed").
+        # seven passes and five temporaries, ~56 bytes an element). It rounds straight into this rank's slice of the
+        # unsharded param, so the all-gather runs in place, as stages 1/2 gather: no shard-sized temporary and no copy
+        # of it into the output. Left out: keeping the bf16 shard that the fused step can write for free (2Ψ/N bytes
+        # more, what stage 3 is picked to save). On an H200 the one-pass cast did not close compiled stage 3's gap to
+        # stage 2 (README, "Measured: speed"): the collectives' own host time is most of it.
         if self.lends_shard:
             return self.sharded_param
-        return kernels.cast_param(self.sharded_param, self.unsharded_param.dtype, impl='auto')  # (shard_numel,)
+        return kernels.cast_param(self.sharded_param, self.unsharded_param.dtype, impl='auto',
+                                  out=self.bucket.shard(self.unsharded_param))  # (shard_numel,), a row of the output
 
     def wait_for_unshard(self):
         if self.state is State.IN_FLIGHT:

@@ -130,16 +130,19 @@ def _round_bf16(x32, below):
     return torch.where(x32.isnan(), (bits >> 16) | 0x40, (bits + below) >> 16).to(torch.int16).view(torch.bfloat16)
 
 
-def cast_param(master32, dtype, impl="reference"):
+def cast_param(master32, dtype, impl="reference", out=None):
     """The compute param written from an fp32 master: bf16 rounded half away from zero ([Note: one bf16 rounding
     rule]), fp16 rounded to nearest-even, fp32 a copy. impl='auto' (a stage-3 gather) rounds a contiguous master to
-    bf16 in the device's kernel library, one pass, where the torch ops take seven."""
-    if dtype != torch.bfloat16:
-        return master32.to(dtype, copy=True)
-    impl = resolve_impl(impl, master32.device)
-    if impl == "reference" or not master32.is_contiguous():
-        return _round_bf16(master32, 0x8000)
-    out = torch.empty(master32.shape, dtype=torch.bfloat16, device=master32.device)
+    bf16 in the device's kernel library, one pass, where the torch ops take seven. out: a tensor of dtype and the
+    master's numel to write into (a stage-3 gather's slice of its unsharded param) instead of a new one."""
+    if out is not None and (out.dtype != dtype or out.numel() != master32.numel()):
+        raise ValueError(f"cast_param: out is {out.dtype} x {out.numel()}, the cast {dtype} x {master32.numel()}")
+    impl = "reference" if dtype != torch.bfloat16 else resolve_impl(impl, master32.device)
+    if impl == "reference" or not master32.is_contiguous() or not (out is None or out.is_contiguous()):
+        x = master32.to(dtype, copy=True) if dtype != torch.bfloat16 else _round_bf16(master32, 0x8000)
+        return x if out is None else out.view(master32.shape).copy_(x)
+    if out is None:
+        out = torch.empty(master32.shape, dtype=torch.bfloat16, device=master32.device)
     _LIBRARIES[impl].call("cast_bf16", master32.device, ctypes.c_void_p(master32.data_ptr()),
                           ctypes.c_void_p(out.data_ptr()), ctypes.c_int64(master32.numel()))
     return out

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_lite
+import kernels
 import zero
 from test_zero import MORE_JOBS, STEPS, T, TINY, assert_same_run, get, make_engine, tiny_model
 
@@ -114,6 +115,31 @@ def test_zero3_keeps_the_root_gathered_between_micro_steps_and_the_step_reshards
             assert all(u.state is fsdp_lite.State.SHARDED and u.sharded_param.untyped_storage().nbytes() == u.shard_nbytes
                        for u in engine.units)
             assert torch.equal(root.sharded_param, gathered)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero3_with_bf16_compute_rounds_the_master_into_its_row_and_gathers_in_place():
+    """[Note: a cast per gather]: under bf16 compute with an fp32 master, a unit's all-gather input is its own row of
+    the unsharded param, holding the master's bf16 rounding (kernels.cast_param), and the rank's row of what the
+    gather wrote is exactly that: no temporary, no copy. At rank 1 of 2 (the fake group copies the input row)."""
+    dist.init_process_group('fake', rank=1, world_size=2, store=FakeStore())
+    try:
+        model, x = tiny_model(0), torch.randint(TINY['vocab_size'], (2, T))
+        engine = make_engine('zero3', model, 1.0, param_dtype=torch.bfloat16)
+        seen = []
+        for unit in engine.units:
+            def all_gather(out, inp, comm=unit.comm, **kw):
+                seen.append(inp.data_ptr() == out.view(2, -1)[1].data_ptr())  # rank 1's row
+                return type(comm).all_gather(comm, out, inp, **kw)
+            unit.comm = type('Spy', (), {'all_gather': staticmethod(all_gather)})()
+        engine.backward(model(x, x)[1])
+        assert len(seen) >= len(engine.units) and all(seen), seen
+        for unit in engine.units:
+            assert not unit.lends_shard and unit.unsharded_param.dtype == torch.bfloat16
+            unit.unshard(), unit.wait_for_unshard()
+            rounded = kernels.cast_param(unit.sharded_param, torch.bfloat16)  # the torch ops
+            assert torch.equal(unit.bucket.shard(unit.unsharded_param).view(torch.int16), rounded.view(torch.int16))
     finally:
         dist.destroy_process_group()
 

@@ -715,6 +715,16 @@ def test_the_librarys_bf16_cast_is_cast_params_bit_for_bit_on_the_masters_device
             out = kernels.cast_param(view, torch.bfloat16, impl="cpu" if impl == "cuda-emulated" else impl)
         assert (out.device, out.dtype, out.shape) == (view.device, torch.bfloat16, view.shape)
         assert torch.equal(bits(out), expected[start:stop])
+        # into a given tensor (a stage-3 gather writes its row of the unsharded param): the same bits there, nothing
+        # written outside it, the same tensor returned
+        row = torch.full((3, view.numel()), 7.0, dtype=torch.bfloat16, device=view.device)
+        with cuda_library_on_host() if impl == "cuda-emulated" else contextlib.nullcontext():
+            got = kernels.cast_param(view, torch.bfloat16, impl="cpu" if impl == "cuda-emulated" else impl, out=row[1])
+        assert got.data_ptr() == row[1].data_ptr() and torch.equal(bits(row[1]), expected[start:stop])
+        assert row[0].eq(7.0).all() and row[2].eq(7.0).all()
+    with pytest.raises(ValueError, match="out is torch.float32 x 3, the cast torch.bfloat16 x 3"):
+        kernels.cast_param(master[:3], torch.bfloat16, impl=impl.replace("cuda-emulated", "cpu"),
+                           out=torch.empty(3, device=master.device))
 
 
 def test_every_openmp_if_on_a_simd_loop_names_the_parallel_construct():
