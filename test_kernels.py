@@ -461,6 +461,10 @@ extern "C" long check(const float* x, long n, float d) {
       const float want = y / d, got = divide_by_reciprocal(y, d, r);
       const bool exact = !(fabsf(y) < 0x1p-100f) && !(fabsf(want) < 0x1p-126f);  // a NaN y: exact (any NaN)
       bad += exact ? bits_of(got) != bits_of(want) && !(want != want && got != got) : !(fabsf(got) < 0x1p-23f);
+      if (fabsf(y) != INFINITY) {  // the encode's form, without the guard for an infinite x: the same bits
+        const float unguarded = divide_by_reciprocal<false>(y, d, r);
+        bad += bits_of(unguarded) != bits_of(got) && !(unguarded != unguarded && got != got);
+      }
     }
   }
   return bad;
@@ -543,6 +547,10 @@ def test_bucket_entries_give_the_number_of_midpoints_below_for_values_near_every
         assert torch.equal((entry & 255) + (key >= entry >> 8).long(), torch.searchsorted(midpoints, x))
         nan = kernels._unsigned(torch.tensor([float("nan")]))
         assert (entries[nan >> 16] & 255).item() == 255 and (entries[nan >> 16] >> 8).item() == 1 << 16
+    # the unsigned map's buckets of negative values (sign bit set, NaNs too) hold no midpoint: the GPU's encode of
+    # exp_avg_sq skips the key's flip (code_of<false>), which only matters against a threshold below 2^16
+    entries = kernels._buckets(kernels._midpoints(kernels.UNSIGNED_MAP)).long()
+    assert (entries[1 << 15:] >> 8).eq(1 << 16).all()
 
 
 @pytest.mark.parametrize("impl", KERNELS)

@@ -153,8 +153,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
       if (reciprocal_divides_exactly(scale_m) && reciprocal_divides_exactly(scale_v)) {  // the same for the warp
         const float r_m = 1.0f / scale_m, r_v = 1.0f / scale_v;
         for (int k = 0; k < 8; ++k) {
-          codes_m[k] = code_of(divide_by_reciprocal(m[k], scale_m, r_m), a.buckets + SIGNED_BUCKETS);
-          codes_v[k] = code_of(divide_by_reciprocal(v[k], scale_v, r_v), a.buckets + UNSIGNED_BUCKETS);
+          codes_m[k] = code_of(divide_by_reciprocal<false>(m[k], scale_m, r_m), a.buckets + SIGNED_BUCKETS);
+          codes_v[k] = code_of<false>(divide_by_reciprocal<false>(v[k], scale_v, r_v), a.buckets + UNSIGNED_BUCKETS);
         }
       } else {  // an absmax past 2^64 (or an inf moment) or below 2^-64
         for (int k = 0; k < 8; ++k) {

@@ -143,10 +143,13 @@ HD float code_scale(float absmax) { return absmax > 0.0f ? absmax : 1.0f; }  // 
 // 0x3F66CCCE, code 241. A bucket without a midpoint has threshold 2^16, never reached. NaN buckets hold 255, as
 // torch.searchsorted puts a NaN above every midpoint (xn = x / absmax is never +-inf: an inf x makes absmax inf and
 // xn NaN).
-HD uint8_t code_of(float xn, const int32_t* buckets) {
+// flip = false (the unsigned map's buckets, exp_avg_sq): its midpoints are all positive, so no bucket of negative
+// values (NaNs included) holds one, and their threshold 2^16 is never reached whatever the key: the flip changes no
+// code there (test_kernels.py checks the table), and the GPU's encode saves its instructions.
+template <bool flip = true> HD uint8_t code_of(float xn, const int32_t* buckets) {
   const uint32_t b = bits_of(xn);
   const int32_t entry = (buckets + 32768)[(int32_t)(b ^ 0x80000000u) >> 16];
-  const int32_t key = (int32_t)((b ^ (uint32_t)((int32_t)b >> 31)) & 0xFFFFu);  // negatives: low half flipped
+  const int32_t key = (int32_t)((flip ? b ^ (uint32_t)((int32_t)b >> 31) : b) & 0xFFFFu);  // negatives: low half flipped
   return (uint8_t)((entry & 0xFF) + (key >= entry >> 8));
 }
 HD uint8_t quantize(float x, float scale, const int32_t* buckets) { return code_of(x / scale, buckets); }
@@ -166,13 +169,16 @@ HD uint8_t quantize(float x, float scale, const int32_t* buckets) { return code_
 // quotient (Markstein's theorem; no underflow: hence the bounds above).
 // Checked: test_dividing_by_the_reciprocal_equals_the_divide, against the divide on the host, whose fma and divide
 // are IEEE as the GPU's are; when written, 2e9 random pairs and every fp32 x in [0, d] for five d gave no mismatch,
-// for one correction as for two: the second is there for the proof.
+// for one correction as for two: the second is there for the proof. The encode's divides skip the guard for x = inf
+// (may_be_inf = false): on the kernel's fast path the block's scale is at most 2^64, so every moment is finite or NaN
+// (an inf moment makes absmax inf: the slow path). Two compares and selects an element less (.ci/sass_round.py,
+// sm_90: 115.4 -> 111.4 instructions an element in the fp32-master int8 mode; the same test checks both forms).
 HD bool reciprocal_divides_exactly(float d) { return d >= 0x1p-64f && d <= 0x1p64f; }
-HD float divide_by_reciprocal(float x, float d, float r) {
+template <bool may_be_inf = true> HD float divide_by_reciprocal(float x, float d, float r) {
   const float q0 = x * r;
   const float q1 = fmaf(fmaf(-q0, d, x), r, q0);
   const float q2 = fmaf(fmaf(-q1, d, x), r, q1);
-  return fabsf(q0) == INFINITY ? q0 : q2;  // x = inf: the residual is inf - inf
+  return may_be_inf && fabsf(q0) == INFINITY ? q0 : q2;  // x = inf: the residual is inf - inf
 }
 
 // The update of one element, in the reference's op order. Each op rounds once (the CPU build has -ffp-contract=off,
