@@ -143,8 +143,10 @@ class Unit:
         # stage 2 (README, "Measured: speed"): the collectives' own host time is most of it.
         if self.lends_shard:
             return self.sharded_param
+        # through .data, as the gather writes: the params share the buffer's version counter (meta init swaps them in),
+        # and a write autograd sees would fail the backward that saved them (the torch ops' path: fp16, no library)
         return kernels.cast_param(self.sharded_param, self.unsharded_param.dtype, impl='auto',
-                                  out=self.bucket.shard(self.unsharded_param))  # (shard_numel,), a row of the output
+                                  out=self.bucket.shard(self.unsharded_param.data))  # (shard_numel,), the output's row
 
     def wait_for_unshard(self):
         if self.state is State.IN_FLIGHT:

@@ -4,6 +4,8 @@ unit really frees, blocks grouped into units ([Note: blocks per unit]), the last
 last unit stays gathered]), and the step after a forward that no backward followed. Their jobs run in test_zero's
 spawn of each world size (MORE_JOBS); the parity of stage 3 with DDP and FSDP2 stays in test_zero.py.
 """
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -142,6 +144,34 @@ def test_zero3_with_bf16_compute_rounds_the_master_into_its_row_and_gathers_in_p
             assert torch.equal(unit.bucket.shard(unit.unsharded_param).view(torch.int16), rounded.view(torch.int16))
     finally:
         dist.destroy_process_group()
+
+
+def test_zero3_built_on_meta_trains_when_the_gathers_cast_takes_the_torch_ops(monkeypatch):
+    """The cast into the unsharded param's row must not bump the version counter the params share with it (meta init
+    swaps them in): a unit re-gathered before backward would fail it ("modified by an inplace operation"). The CPU
+    library writes raw memory, so only the torch ops' path shows it: fp16 compute, and bf16 where the device's
+    library does not build (a GPU machine without nvcc). That path equals the library's bit for bit."""
+    def run(dtype, library):
+        dist.init_process_group('fake', rank=1, world_size=2, store=FakeStore())
+        try:
+            if not library:
+                monkeypatch.setitem(kernels._LIBRARIES, 'cpu', RuntimeError('no compiler (this test)'))
+            model = tiny_model(0, meta=True)  # as train.py builds stages 1-3
+            engine = zero.build_engine(model, zero.ZeroConfig(stage=3, param_dtype=dtype),
+                                       units=list(model.transformer.h), device=torch.device('cpu'))
+            x, out = torch.randint(TINY['vocab_size'], (2, T), generator=torch.Generator().manual_seed(0)), []
+            for _ in range(2):
+                with torch.autocast('cpu', dtype):
+                    loss = model(x, x)[1]
+                engine.backward(loss)
+                out += [loss.item(), engine.step(1e-3)]
+            return out
+        finally:
+            monkeypatch.undo()
+            dist.destroy_process_group()
+    assert run(torch.bfloat16, library=False) == run(torch.bfloat16, library=True)
+    fp16 = run(torch.float16, library=True)  # its losses; the grad norms are inf while the loss scale comes down
+    assert all(math.isfinite(loss) for loss in fp16[::2]), fp16
 
 
 def test_zero3_blocks_grouped_out_of_forward_order_stop_the_first_forward_with_one_line():

@@ -1050,7 +1050,8 @@ def test_the_8bit_cuda_kernel_fits_4_blocks_an_sm_without_spills(monkeypatch, tm
     assert out.returncode == 0, out.stderr[-2000:]
     # ptxas: "Compiling entry function '<name>' for 'sm_90'", then "... N bytes spill stores ..." and "Used N registers"
     entries = re.split(r"Compiling entry function '", out.stderr)[1:]
-    block = [e for e in entries if e.startswith("_Z18adamw_block_kernel")]
+    # on a GPU other than sm_90 the build adds its own arch (kernels._cuda_arch_flags): count sm_90's entries only
+    block = [e for e in entries if e.startswith("_Z18adamw_block_kernel") and re.match(r"[^']*' for 'sm_90'", e)]
     assert len(block) == 28, len(block)  # 2 grad types x 7 weight policies x 2 layouts (vector, strided)
     for e in block:
         registers = int(re.search(r"Used (\d+) registers", e).group(1))
