@@ -587,13 +587,16 @@ def test_the_gathers_cast_runs_on_the_current_stream_without_a_host_sync():
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)
         late = on_gpu * 1.0
+        rows = torch.zeros(3, 1 << 20, dtype=torch.bfloat16, device='cuda')  # a stage-3 gather writes its row
         torch.cuda.set_sync_debug_mode("error")
         try:
             out = kernels.cast_param(late, torch.bfloat16, impl="auto")
+            kernels.cast_param(late, torch.bfloat16, impl="auto", out=rows[1])
         finally:
             torch.cuda.set_sync_debug_mode("default")
     side.synchronize()
     assert test_kernels.same_bits(out, kernels.cast_param(master, torch.bfloat16))
+    assert test_kernels.same_bits(rows[1], out) and not rows[0].any() and not rows[2].any()
 
 
 @cuda_only
