@@ -6,8 +6,9 @@ the params no block holds: embeddings, tied lm_head, final norm) becomes a Unit 
 laid out by a zero.Bucket. Between uses a rank stores only its shard of it, the *sharded param* (shard_numel,), which
 zero.py owns and the optimizer writes. Around each use the unit is *unsharded*: all-gathered into the
 *unsharded param* (padded_numel,), of which every module parameter is a view. The all-gather input is the
-sharded param itself, or, when that is an fp32 master under bf16 compute, its rounding to bf16 (FSDP2 casts
-the same way). Grads and the optimizer are zero.py's business, exactly as in stage 2.
+sharded param itself, or, when that is an fp32 master under bf16 or fp16 compute, its rounding, written into this
+rank's row of the unsharded param so that the gather runs in place (FSDP2 casts the same way, into a buffer of its
+own). Grads and the optimizer are zero.py's business, exactly as in stage 2.
 
 [Note: a gathered unit holds its shard once] When the all-gather input is the sharded param itself (same
 dtype: fp32 compute, or a stored bf16 shard), the unsharded param holds this rank's shard, bit for bit, at

@@ -135,12 +135,15 @@ def cast_param(master32, dtype, impl="reference", out=None):
     rule]), fp16 rounded to nearest-even, fp32 a copy. impl='auto' (a stage-3 gather) rounds a contiguous master to
     bf16 in the device's kernel library, one pass, where the torch ops take seven. out: a tensor of dtype and the
     master's numel to write into (a stage-3 gather's slice of its unsharded param) instead of a new one."""
-    if out is not None and (out.dtype != dtype or out.numel() != master32.numel()):
-        raise ValueError(f"cast_param: out is {out.dtype} x {out.numel()}, the cast {dtype} x {master32.numel()}")
+    if out is not None and (out.dtype, out.numel(), out.device) != (dtype, master32.numel(), master32.device):
+        raise ValueError(f"cast_param: out is {out.dtype} x {out.numel()} on {out.device}, the cast {dtype} x "
+                         f"{master32.numel()} on {master32.device}")
     impl = "reference" if dtype != torch.bfloat16 else resolve_impl(impl, master32.device)
     if impl == "reference" or not master32.is_contiguous() or not (out is None or out.is_contiguous()):
+        if out is not None and dtype != torch.bfloat16:
+            return out.copy_(master32.reshape(out.shape))  # fp16 (nearest-even) or fp32: one pass
         x = master32.to(dtype, copy=True) if dtype != torch.bfloat16 else _round_bf16(master32, 0x8000)
-        return x if out is None else out.view(master32.shape).copy_(x)
+        return x if out is None else out.copy_(x.reshape(out.shape))
     if out is None:
         out = torch.empty(master32.shape, dtype=torch.bfloat16, device=master32.device)
     _LIBRARIES[impl].call("cast_bf16", master32.device, ctypes.c_void_p(master32.data_ptr()),

@@ -151,7 +151,8 @@ def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, act=NO_ACTI
     unit is blocks_per_unit blocks (fsdp_lite [Note: blocks per unit]), of block_numel each (GPT's are alike).
     Not modelled: a block's backward temporaries beyond the ~8 values per token and channel Activations.block counts,
     stage 0's bf16 copy of fp32 params under autocast, allocator slack. (Stage 3's all-gather input takes no memory of
-    its own: the shard is rounded into its row of the unsharded param, fsdp_lite [Note: a cast per gather].)"""
+    its own: the shard is rounded into its row of the unsharded param, fsdp_lite [Note: a cast per gather]; on the
+    torch ops' path, fp16 or no kernel library, the rounding makes shard-sized temporaries.)"""
     r, p = cfg.reduce_dtype.itemsize, cfg.param_dtype.itemsize if stage > 0 else 4  # stage 0: DDP's fp32 params
     unit = min(block_numel * cfg.blocks_per_unit, psi - root_numel)  # stage 3's largest unit: k blocks, or all
     bucket = {0: 0, 1: 0, 2: min(psi, max(cfg.bucket_mb * 2**20 // r, block_numel)), 3: unit}[stage]

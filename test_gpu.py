@@ -154,10 +154,14 @@ def results():
         return {name: f.result() for name, f in futures.items()}
 
 
-def ok(name):
+def result(name):
     if name in SKIP_JOBS:
         pytest.skip(f"job {name!r} not started: NANOZERO_GPU_SKIP_JOBS")
-    code, log = results()[name]
+    return results()[name]
+
+
+def ok(name):
+    code, log = result(name)
     assert code == 0, f"{name}: exit code {code}\n{log[-4000:]}"
     return log
 
@@ -253,7 +257,7 @@ def test_profile_traces_cuda_kernels_of_iterations_2_to_4_and_stops():
 
 
 def test_a_stage_3_checkpoint_resumes_at_stage_2_consolidates_and_samples():
-    first, second, consolidated, sampled = results()['resume chain']
+    first, second, consolidated, sampled = result('resume chain')
     for code, log in (first, second, consolidated, sampled):
         assert code == 0, log[-4000:]
     assert 'saving checkpoint' in first[1] and re.search(r'resuming from \S+ckpt-00000003', second[1])
@@ -263,7 +267,7 @@ def test_a_stage_3_checkpoint_resumes_at_stage_2_consolidates_and_samples():
     assert 'zero_stage=2 on 1 rank(s)' in header and text.startswith('ROMEO:') and len(text) > 40
 
 def test_a_stage_0_fp16_checkpoint_resumes_at_stage_0():
-    first, second = results()['stage 0 resume']
+    first, second = result('stage 0 resume')
     for code, log in (first, second):
         assert code == 0, log[-4000:]
     assert 'saving checkpoint' in first[1] and re.search(r'resuming from \S+ckpt-00000003', second[1])
