@@ -140,10 +140,9 @@ def cast_param(master32, dtype, impl="reference", out=None):
                          f"{master32.numel()} on {master32.device}")
     impl = "reference" if dtype != torch.bfloat16 else resolve_impl(impl, master32.device)
     if impl == "reference" or not master32.is_contiguous() or not (out is None or out.is_contiguous()):
-        if out is not None and dtype != torch.bfloat16:
-            return out.copy_(master32.reshape(out.shape))  # fp16 (nearest-even) or fp32: one pass
-        x = master32.to(dtype, copy=True) if dtype != torch.bfloat16 else _round_bf16(master32, 0x8000)
-        return x if out is None else out.copy_(x.reshape(out.shape))
+        # fp16 (nearest-even) and fp32: copy_ rounds as .to does, so into out it is one pass
+        x = _round_bf16(master32, 0x8000) if dtype == torch.bfloat16 else master32
+        return x.to(dtype, copy=x is master32) if out is None else out.copy_(x.reshape(out.shape))
     if out is None:
         out = torch.empty(master32.shape, dtype=torch.bfloat16, device=master32.device)
     _LIBRARIES[impl].call("cast_bf16", master32.device, ctypes.c_void_p(master32.data_ptr()),

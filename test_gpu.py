@@ -146,9 +146,10 @@ SKIP_JOBS = set(filter(None, os.environ.get('NANOZERO_GPU_SKIP_JOBS', '').split(
 @functools.lru_cache(maxsize=None)
 def results():
     """Every job at once (the GPU has room for all of them; each process takes 2 CPU threads), but SKIP_JOBS."""
-    unknown = SKIP_JOBS - set(jobs())
-    assert not unknown, f"NANOZERO_GPU_SKIP_JOBS names no job: {sorted(unknown)} (jobs: {sorted(jobs())})"
-    todo = {name: job for name, job in jobs().items() if name not in SKIP_JOBS}
+    every = jobs()
+    unknown = SKIP_JOBS - set(every)
+    assert not unknown, f"NANOZERO_GPU_SKIP_JOBS names no job: {sorted(unknown)} (jobs: {sorted(every)})"
+    todo = {name: job for name, job in every.items() if name not in SKIP_JOBS}
     with ThreadPoolExecutor(max_workers=8 if GPU else 2) as pool:
         futures = {name: pool.submit(job) for name, job in todo.items()}
         return {name: f.result() for name, f in futures.items()}
