@@ -14,6 +14,7 @@ the loss finite and falling, the log lines, the files written. NANOZERO_GPU_TEST
 harness on the CPU (gloo, fp32, small models: the assertions that need CUDA are left out) to check the
 harness itself on a machine without a GPU; that is not a GPU test.
 """
+import contextlib
 import datetime
 import functools
 import json
@@ -364,6 +365,64 @@ def test_a_nccl_run_ends_through_end_process_group(nccl_world):
         warnings.simplefilter('error')
         comm.end_process_group(torch.device('cuda'), t)
     assert not dist.is_initialized()
+
+# -----------------------------------------------------------------------------
+# the stages on NCCL end where stage 0 ends: a race between a stream and the host shows as a wrong number
+
+
+@pytest.fixture
+def world_of_one():
+    """World 1 in this process, on an in-process store: NCCL on the GPU, gloo in the CPU dry run."""
+    dist.init_process_group('nccl' if GPU else 'gloo', rank=0, world_size=1, store=dist.HashStore(),
+                            timeout=datetime.timedelta(seconds=60))
+    yield torch.device('cuda' if GPU else 'cpu')
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_stage(device, stage, dtype, steps=3, micro=2, **zero_kw):
+    """A tiny GPT (odd sizes, tied embeddings) trained as train.py trains it at world 1: built on the meta device at
+    stages 1-3, 2 micro-steps a step, clipping on. Returns the losses, the pre-clip grad norms and every fp32 param:
+    stage 0's own, the masters of stages 1-3 (at world 1 a bucket's shard is the whole bucket)."""
+    import train
+    import zero
+    config = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=97, bias=True)
+    with torch.device('meta' if stage else device):
+        model = GPT(config)
+    cfg = zero.ZeroConfig(stage=stage, param_dtype=dtype, grad_clip=0.05, **zero_kw)
+    engine = zero.build_engine(model, cfg, units=list(model.transformer.h), device=device)
+    autocast = torch.autocast(device.type, dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    data, losses, norms = torch.Generator().manual_seed(1234), [], []
+    for _ in range(steps):
+        x = torch.randint(config.vocab_size, (micro, 2, config.block_size + 1), generator=data).to(device)
+        loss, norm = train.train_step(engine, [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in x], 3e-3,
+                                      autocast)
+        losses.append(loss.item())
+        norms.append(norm)
+    if stage == 0:
+        params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+    else:
+        by_param = {p: v.cpu() for b in engine.buckets for p, v in b.views(engine.master_values(b))}
+        params = {n: by_param[p] for n, p in model.named_parameters()}
+    return dict(losses=losses, norms=norms, params=params)
+
+
+def test_stages_1_to_3_on_the_gpu_end_where_stage_0_ends(world_of_one):
+    """Stages 1-3 run their collectives from autograd hooks on CUDA streams, free grad buffers and units' storage after
+    a wait, and stage 3 casts the master into the gather's row before an in-place all-gather: ordering the CPU suite
+    runs but cannot get wrong (gloo waits on the host). A missed wait leaves a number stale or half-written. Here
+    stages 1-3 equal stage 0 (torch DDP, torch's AdamW) in fp32, and stage 3 equals stage 2 with bf16 compute (the
+    gather's cast included). The CPU suite's tolerances x10: the GPU adds other summation orders; a stale grad or param
+    is off by far more (a step moves a param by up to lr = 3e-3). Not the 8-bit state: there a grad norm's last bit
+    (the shards' squares summed in another order) flips a code, and the params part by ~1e-2 (checked on the CPU)."""
+    from test_zero import assert_same_run
+    device = world_of_one
+    base = run_stage(device, 0, torch.float32)
+    for stage in (1, 2, 3):
+        assert_same_run(run_stage(device, stage, torch.float32), base, rtol=1e-4, atol=1e-5, param_atol=2e-5)
+    assert_same_run(run_stage(device, 3, torch.bfloat16), run_stage(device, 2, torch.bfloat16),
+                    rtol=1e-4, atol=1e-5, param_atol=2e-5)
+
 
 # -----------------------------------------------------------------------------
 # --- issue 20: a simulated link on the communication stream (comm.py, [Note: simulated link])
