@@ -303,10 +303,11 @@ def test_bench_scale_counts_what_the_estimator_says():
 
 @pytest.fixture
 def nccl_world():
-    """NCCL at world 1 in this process, on an in-process store (no port to pick); gone after the test."""
-    dist.init_process_group('nccl', rank=0, world_size=1, store=dist.HashStore(),
+    """NCCL at world 1 in this process, on an in-process store (no port to pick), gone after the test; gloo in the CPU
+    dry run. Yields the device."""
+    dist.init_process_group('nccl' if GPU else 'gloo', rank=0, world_size=1, store=dist.HashStore(),
                             timeout=datetime.timedelta(seconds=60))
-    yield
+    yield torch.device('cuda' if GPU else 'cpu')
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -370,16 +371,6 @@ def test_a_nccl_run_ends_through_end_process_group(nccl_world):
 # the stages on NCCL end where stage 0 ends: a race between a stream and the host shows as a wrong number
 
 
-@pytest.fixture
-def world_of_one():
-    """World 1 in this process, on an in-process store: NCCL on the GPU, gloo in the CPU dry run."""
-    dist.init_process_group('nccl' if GPU else 'gloo', rank=0, world_size=1, store=dist.HashStore(),
-                            timeout=datetime.timedelta(seconds=60))
-    yield torch.device('cuda' if GPU else 'cpu')
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def run_stage(device, stage, dtype, steps=3, micro=2, **zero_kw):
     """A tiny GPT (odd sizes, tied embeddings) trained as train.py trains it at world 1: built on the meta device at
     stages 1-3, 2 micro-steps a step, clipping on. Returns the losses, the pre-clip grad norms and every fp32 param:
@@ -407,7 +398,7 @@ def run_stage(device, stage, dtype, steps=3, micro=2, **zero_kw):
     return dict(losses=losses, norms=norms, params=params)
 
 
-def test_stages_1_to_3_on_the_gpu_end_where_stage_0_ends(world_of_one):
+def test_stages_1_to_3_on_the_gpu_end_where_stage_0_ends(nccl_world):
     """Stages 1-3 run their collectives from autograd hooks on CUDA streams, free grad buffers and units' storage after
     a wait, and stage 3 casts the master into the gather's row before an in-place all-gather: ordering the CPU suite
     runs but cannot get wrong (gloo waits on the host). A missed wait leaves a number stale or half-written. Here
@@ -416,7 +407,7 @@ def test_stages_1_to_3_on_the_gpu_end_where_stage_0_ends(world_of_one):
     is off by far more (a step moves a param by up to lr = 3e-3). Not the 8-bit state: there a grad norm's last bit
     (the shards' squares summed in another order) flips a code, and the params part by ~1e-2 (checked on the CPU)."""
     from test_zero import assert_same_run
-    device = world_of_one
+    device = nccl_world
     base = run_stage(device, 0, torch.float32)
     for stage in (1, 2, 3):
         assert_same_run(run_stage(device, stage, torch.float32), base, rtol=1e-4, atol=1e-5, param_atol=2e-5)
