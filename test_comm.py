@@ -171,6 +171,40 @@ def test_on_cuda_the_link_spins_a_side_stream_after_the_inputs_and_orders_the_cu
     assert link.free_at == 0.0 and link.blocked == {}  # the CPU's queue and host waits are not used on CUDA
 
 
+def test_on_cuda_the_spin_clock_is_timed_by_events_on_the_gpu_and_read_after_the_end_is_reached(monkeypatch):
+    """comm.cuda_cycles_per_second, torch.cuda's device, spin and events stood in for: on the GPU asked about, timing
+    events around the spin, the end event waited for before the time between them is read (elapsed_time of an event
+    not yet reached is an error), milliseconds made seconds: 50,000,000 cycles in 25 ms is 2 GHz."""
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.name = 'start' if not any(e[0] == 'event' for e in log) else 'end'
+            log.append(('event', self.name, enable_timing))
+
+        def record(self):
+            log.append(('record', self.name))
+
+        def synchronize(self):
+            log.append(('synchronize', self.name))
+
+        def elapsed_time(self, end):
+            return log.append(('elapsed_time', self.name, end.name)) or 25.0
+
+    @contextlib.contextmanager
+    def on(device):
+        log.append(('enter', device))
+        yield
+        log.append(('exit',))
+    monkeypatch.setattr(torch.cuda, 'device', on)
+    monkeypatch.setattr(torch.cuda, '_sleep', lambda cycles: log.append(('spin', cycles)))
+    monkeypatch.setattr(torch.cuda, 'Event', Event)
+    assert comm.cuda_cycles_per_second(torch.device('cuda', 0), cycles=50_000_000) == pytest.approx(2e9, rel=1e-12)
+    assert log == [('enter', torch.device('cuda', 0)), ('spin', 1000), ('event', 'start', True), ('event', 'end', True),
+                   ('record', 'start'), ('spin', 50_000_000), ('record', 'end'), ('synchronize', 'end'),
+                   ('elapsed_time', 'start', 'end'), ('exit',)]
+
+
 def test_collectives_queue_on_one_link_and_wait_blocks_until_the_end():
     clock = comm.VirtualClock(speedup=math.inf)  # no compute time: only the link's
     link = comm.Link(bandwidth=1e9, latency=1e-6, clock=clock)

@@ -1170,6 +1170,34 @@ def test_a_struct_layout_mismatch_is_a_clear_error(monkeypatch):
         kernels.Library(path)
 
 
+def test_on_cuda_a_library_call_runs_on_its_gpus_current_stream_and_a_cuda_error_is_named(monkeypatch):
+    # Library.call's CUDA branch, torch.cuda's device and stream stood in for: inside the tensors' GPU as current
+    # device, the entry point gets that GPU's current stream as its last argument; a non-zero cudaError_t is a
+    # RuntimeError naming the entry point and the library's own error string. On a GPU: test_gpu.py's
+    # test_the_kernel_runs_on_the_current_stream.
+    log, codes = [], [700, 0]
+    lib = mock.Mock(spec=["adamw_step", "adamw_error_string"])
+    lib.adamw_step.side_effect = lambda *args: log.append(("step", *args)) or codes.pop(0)
+    lib.adamw_error_string.side_effect = lambda code: log.append(("error_string", code)) or b"an illegal memory access"
+    library = object.__new__(kernels.Library)  # no build: call() needs only .lib
+    library.lib = lib
+
+    @contextlib.contextmanager
+    def on(device):
+        log.append(("enter", device))
+        yield
+        log.append(("exit",))
+    monkeypatch.setattr(torch.cuda, "device", on)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: log.append(("stream",)) or mock.Mock(cuda_stream=0x1234))
+    with pytest.raises(RuntimeError, match=r"^nanozero adamw_step launch failed: an illegal memory access$"):
+        library.call("adamw_step", torch.device("cuda", 1), "args")
+    library.call("adamw_step", torch.device("cuda", 1), "args")  # cudaSuccess: returns
+    call = [("enter", torch.device("cuda", 1)), ("stream",), ("step", "args", 0x1234), ("exit",)]
+    assert [entry[:2] + (entry[2].value,) if entry[0] == "step" else entry for entry in log] == (
+        call + [("error_string", 700)] + call)
+
+
 def test_kernel_rejects_bad_shapes_dtypes_and_arguments():
     shard = Shard(512, "fp32+bf16param")
     kw = dict(**HP, weight_decay=0.1, step=1, impl="cpu")

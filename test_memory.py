@@ -258,6 +258,20 @@ def test_auto_picks_one_stage_for_every_rank_from_the_least_memory(tmp_path):
     assert picked == [2, 2], picked
 
 
+def test_on_a_gpu_the_limit_is_its_free_memory_and_memory_gb_is_ignored(monkeypatch):
+    """memory.device_memory_bytes' CUDA branch, torch.cuda.mem_get_info stood in for (free, total): the limit is what
+    the rank's own GPU has free, not its total (another process's memory is not ours), and memory_gb, the CPU's
+    setting, changes nothing on a GPU."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, 'mem_get_info', lambda device=None: asked.append(device) or (7e9, 80e9))
+    monkeypatch.setattr(dist, 'is_initialized', lambda: False)  # one rank: no MIN over a process group
+    gpu = torch.device('cuda', 3)
+    assert memory.device_memory_bytes(gpu) == 7e9
+    assert memory.device_memory_bytes(gpu, memory_gb=16.0) == 7e9
+    assert asked == [gpu, gpu]
+    assert memory.device_memory_bytes(torch.device('cpu'), memory_gb=16.0) == 16e9  # where memory_gb does count
+
+
 def test_auto_in_a_real_run_prints_its_reasoning_and_trains_with_the_stage_it_picked(tmp_path):
     # test_train's torchrun: config/shakespeare_cpu.py, 1 layer x 32, 2 ranks; a limit that stage 1 fits, stage 0 not
     cfg = train.parse_config(['config/shakespeare_cpu.py', '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16',

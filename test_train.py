@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,6 +100,24 @@ def test_prepare_tokenizes_a_users_text_with_gpt2_bpe(tmp_path):
     assert len(train_ids) == meta['train_tokens'] and len(val_ids) == meta['val_tokens'] > 0
     assert 8 * len(val_ids) < len(train_ids) < 10 * len(val_ids)  # a 90/10 split
     assert enc.decode(train_ids[:14].tolist()) == 'To be, or not to be, that is the question.\n'
+
+
+def test_on_cuda_a_batch_is_pinned_then_copied_without_blocking_and_y_is_x_one_token_on(monkeypatch):
+    # train.windows' CUDA branch, the pinning and the copy stood in for: x and y are int64 windows (uint16 ids above
+    # int16's range stay positive), each pinned and then copied to the GPU with non_blocking=True, so the host
+    # goes on while the copy runs.
+    log, gpu = [], torch.device('cuda', 2)
+    data = np.arange(65500, 65536, dtype=np.uint16)  # token ids 65,500 to 65,535
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, 'pin_memory', lambda self: log.append(('pin', id(self))) or self)
+        m.setattr(torch.Tensor, 'to', lambda self, device, non_blocking=False: log.append(
+            ('to', id(self), device, non_blocking)) or self)
+        x, y = train.windows(data, [0, 7, 27], 8, gpu)
+    assert log == [('pin', id(x)), ('to', id(x), gpu, True), ('pin', id(y)), ('to', id(y), gpu, True)]
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (3, 8)
+    assert x[:, 0].tolist() == [65500, 65507, 65527] and torch.equal(y[:, :-1], x[:, 1:])
+    assert y[:, -1].tolist() == [65508, 65515, 65535]
+
 
 # -----------------------------------------------------------------------------
 # train.py end to end
