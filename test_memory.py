@@ -237,10 +237,15 @@ def test_auto_never_picks_stage_0_with_a_precision_mode_that_torch_adamw_cannot_
     assert '-> stage 1, the lowest that fits' in out.stdout, out.stdout[-1500:] + out.stderr[-1500:]  # the estimator too
 
 
-def test_auto_when_nothing_fits_is_a_clear_error():
+def test_auto_when_nothing_fits_is_a_clear_error(monkeypatch):
     cfg, args = auto_config(memory_gb=0.5 * hand_estimates(world=8)[3] / 1e9)
-    with pytest.raises(ValueError, match=r"-> none fits: use more ranks, a smaller batch_size or block_size"):
+    with pytest.raises(ValueError, match=r"-> none fits: use more ranks, a smaller batch_size or block_size, or set "
+                                         r"memory_gb$"):
         train.choose_stage(cfg, torch.device('cpu'), 8, args)
+    # on a GPU the limit is its free memory (mem_get_info, stood in for): memory_gb would change nothing, so not named
+    monkeypatch.setattr(torch.cuda, 'mem_get_info', lambda device=None: (0.5 * hand_estimates(world=8)[3], 80e9))
+    with pytest.raises(ValueError, match=r"-> none fits: use more ranks, a smaller batch_size or block_size$"):
+        train.choose_stage(cfg, torch.device('cuda', 0), 8, args)
 
 
 def _auto_with_unequal_memory(rank, init, out):

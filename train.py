@@ -299,15 +299,15 @@ def zero_config(cfg):
 
 
 def choose_stage(cfg, device, world_size, args):
-    """zero_stage='auto': the lowest stage whose model states + transients + activations fit (memory.py) in the memory
-    of the rank that has least (memory.device_memory_bytes)."""
+    """zero_stage='auto': the lowest stage whose states, transients and activations fit in the least memory of any rank."""
     with torch.device('meta'):
         model = GPT(GPTConfig(**args))
     stage, line, hint = memory.lowest_stage_that_fits(
         model, zero_config({**cfg, 'zero_stage': 1}), world_size, cfg['batch_size'] * cfg['block_size'],
         memory.device_memory_bytes(device, cfg['memory_gb']), cfg['activation_checkpointing'])
     if stage is None:
-        raise ValueError(f"{line}: use {hint}more ranks, a smaller batch_size or block_size, or set memory_gb")
+        raise ValueError(f"{line}: use {hint}more ranks, a smaller batch_size or block_size"
+                         + ", or set memory_gb" * (device.type == 'cpu'))  # a GPU's limit is its free memory
     return stage, line
 
 
