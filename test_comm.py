@@ -1,11 +1,13 @@
 """
 The simulated link (comm.py, [Note: simulated link]): its arithmetic, its queue, and the overlap it lets a
-step show. In-process, on torch's fake process group (rank 0 of world_size ranks, alone). And the end of a run
+step show. In-process, on torch's fake process group (rank 0 of world_size ranks, alone). Stages 1-3 with every
+async collective landing only at its wait, as NCCL may (LateCollectives). And the end of a run
 (comm.end_process_group, [Note: the end of a run]), on a 1-rank gloo process group.
 
     python -m pytest -q test_comm.py
 """
 import contextlib
+import functools
 import math
 import os
 import subprocess
@@ -23,6 +25,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import bench_link
 import bench_scale
 import comm
+import fsdp_lite
+import kernels
 import train
 import zero
 from model import GPT, GPTConfig
@@ -322,6 +326,94 @@ def test_bench_scale_with_a_link_prints_exposed_communication_per_kind():
     assert list(link_rows) == ['zero2', 'zero3'], out.stdout
     for kind, row in link_rows.items():
         assert float(row[2]) > 0 and float(row[3]) > 0, row  # step ms with the link, compute alone
+
+# -----------------------------------------------------------------------------
+# collectives that land only at their wait: what NCCL may do and gloo never does
+
+
+class LateCollectives:
+    """comm.py's async all-gathers and reduce-scatters as NCCL may run them, late: nothing moves until wait(). At launch
+    the input is copied aside and the output poisoned (NaN); wait() checks that nothing freed, moved or wrote the two
+    tensors meanwhile, then runs the collective on the copy. gloo is done before wait() returns, so without this the
+    CPU suite cannot see a read before the wait, a buffer freed or reused in flight, or a collective never waited."""
+
+    def __init__(self, monkeypatch):
+        self.pending, self.errors = [], []
+        for name in ('ALL_GATHER', 'REDUCE_SCATTER'):
+            monkeypatch.setattr(comm, name, functools.partial(self.launch, name, getattr(comm, name)))
+        resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, nbytes):  # freeing (or regrowing) a storage a collective still uses
+            self.errors += [f'{w.name}: storage resized in flight' for w in self.pending if storage._cdata in w.storages]
+            return resize(storage, nbytes)
+        monkeypatch.setattr(torch.UntypedStorage, 'resize_', resize_)
+
+    def launch(self, name, collective, out, inp, async_op=False, **kw):
+        if not async_op:
+            return collective(out, inp, **kw)
+        work = LateWork(name, functools.partial(collective, out, inp.clone(), **kw), out, inp, self)
+        self.pending.append(work)
+        return work
+
+
+class LateWork:
+    def __init__(self, name, run, out, inp, late):
+        self.name, self.run, self.out, self.inp, self.late = name, run, out, inp, late  # run: on the input's copy
+        self.storages = {out.untyped_storage()._cdata, inp.untyped_storage()._cdata}
+        self.where = (out.data_ptr(), inp.data_ptr())
+        self.in_place = inp.untyped_storage()._cdata == out.untyped_storage()._cdata  # stages 1/2, and 3 with a cast
+        self.copy = inp.clone()
+        out.detach().fill_(math.nan)  # read before the wait: NaN in the loss
+
+    def wait(self):
+        if self not in self.late.pending:
+            return
+        self.late.pending.remove(self)
+        if (self.out.data_ptr(), self.inp.data_ptr()) != self.where or not self.out.isnan().all() or (
+                not self.in_place and not torch.equal(self.inp, self.copy)):
+            self.late.errors.append(f'{self.name}: its tensors moved or written before the wait')
+        self.run()
+
+
+def late_run(stage, param_dtype=torch.float32, checkpointing=False, late=None, **zero_kw):
+    """3 steps of 2 micro-steps at world 1, built on the meta device as train.py builds, and an eval forward after each
+    (its units reshard in no-grad forwards): the losses and grad norms, and what `late` saw left in flight."""
+    with torch.device('meta'):
+        model = GPT(GPTConfig(**{**MODEL, 'n_layer': 4}))
+    cfg = zero.ZeroConfig(stage=stage, param_dtype=param_dtype, grad_clip=0.05, **zero_kw)
+    engine = zero.build_engine(model, cfg, units=list(model.transformer.h), device=torch.device('cpu'))
+    if checkpointing:
+        fsdp_lite.checkpoint_activations(model.transformer.h)
+    autocast = torch.autocast('cpu', param_dtype) if param_dtype != torch.float32 else nullcontext()
+    data, numbers = torch.Generator().manual_seed(1234), []
+    for _ in range(3):
+        x = torch.randint(MODEL['vocab_size'], (2, 2, MODEL['block_size'] + 1), generator=data)
+        loss, norm = train.train_step(engine, [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in x], 3e-3, autocast)
+        with torch.no_grad(), autocast:
+            numbers += [loss.item(), norm, model(x[0][:, :-1].contiguous(), x[0][:, 1:].contiguous())[1].item()]
+        if late is not None and late.pending:
+            late.errors.append(f'never waited: {[w.name for w in late.pending]}')
+    return numbers
+
+
+LATE = {'stage 1': dict(stage=1), 'stage 2, bf16': dict(stage=2, param_dtype=torch.bfloat16),
+        'stage 3, 2 blocks a unit, prefetch 2': dict(stage=3, blocks_per_unit=2, prefetch=2),
+        'stage 3, bf16, checkpointing': dict(stage=3, param_dtype=torch.bfloat16, checkpointing=True),
+        'stage 3, kept gathered after forward': dict(stage=3, reshard_after_forward=False),
+        'stage 3, bf16, remainder master': dict(stage=3, param_dtype=torch.bfloat16,
+                                                precision=kernels.Precision(master_weights='remainder'))}
+
+
+@pytest.mark.parametrize('kind', LATE)
+def test_collectives_that_land_only_at_their_wait_change_no_number(gloo_world, monkeypatch, kind):
+    """Every async collective of stages 1-3 read, freed and reused only after its wait: with every one landing as late
+    as NCCL may land it, the run is bit for bit the on-time one."""
+    late = LateCollectives(monkeypatch)
+    numbers = late_run(**LATE[kind], late=late)
+    assert not late.errors, late.errors  # before the on-time run: a buffer freed in flight may crash gloo's thread
+    monkeypatch.undo()
+    assert numbers == late_run(**LATE[kind])
+
 
 # -----------------------------------------------------------------------------
 # the end of a run ([Note: the end of a run])
