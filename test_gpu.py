@@ -36,7 +36,8 @@ from model import GPT, GPTConfig
 ON_CPU = os.environ.get('NANOZERO_GPU_TESTS_ON_CPU') == '1'
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and not ON_CPU,
                                 reason="test_gpu.py needs CUDA (no GPU here); the CPU suite is the other test_*.py")
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="in-process CUDA case")  # not in the CPU dry run
+# in-process CUDA cases: not in the CPU dry run, even on a GPU machine
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available() or ON_CPU, reason="in-process CUDA case")
 GPU = not ON_CPU
 DEVICE = ['--device=cuda', '--dtype=bfloat16'] if GPU else ['--device=cpu', '--dtype=float32']
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -418,37 +419,43 @@ def test_stages_1_to_3_on_the_gpu_end_where_stage_0_ends(nccl_world):
 @cuda_only
 def test_collectives_landing_late_on_their_own_stream_change_no_number(nccl_world, monkeypatch):
     """test_comm.py's LateCollectives on a GPU: every async collective of stages 1-3 lands ~2 ms late on a side stream,
-    its tensors kept until wait() as c10d keeps them, and wait() orders the current stream after it, as NCCL's work
-    does. A tensor of a collective freed, reused or read before its wait then races the caching allocator's next
-    kernel on the current stream, and shows as a number off; at world 1 real NCCL lands too soon to show it."""
+    its output NaN until then, its tensors kept until wait() as c10d keeps them, and wait() orders the current stream
+    after it, as NCCL's work does; none may be left unwaited. A tensor of a collective freed, reused or read before its
+    wait then races the caching allocator's next kernel on the current stream, and shows as a number off; at world 1
+    real NCCL lands too soon to show it."""
     import comm
     from test_zero import assert_same_run
-    device, side = nccl_world, torch.cuda.Stream(nccl_world)
+    device, side, pending = nccl_world, torch.cuda.Stream(nccl_world), []
 
     class Late:
         def __init__(self, out, inp):
-            side.wait_stream(torch.cuda.current_stream(device))  # as NCCL's stream: after what wrote the input
-            self.kept = (out, inp)
+            source = inp.clone()  # first: an in-place gather's input is a row of its output (at world 1, all of it)
+            out.detach().fill_(math.nan)  # what a read before the wait sees, as in LateCollectives
+            side.wait_stream(torch.cuda.current_stream(device))  # as NCCL's stream: after what wrote them
+            self.kept = (out, inp, source)  # as c10d keeps a collective's tensors until its wait
             with torch.cuda.stream(side):
                 torch.cuda._sleep(5_000_000)
-                out.copy_(inp.reshape(out.shape))  # world 1: an all-gather and an averaging reduce-scatter copy
+                out.detach().copy_(source.reshape(out.shape))  # world 1: an all-gather, an averaging reduce-scatter
+            pending.append(self)
 
         def wait(self):
             torch.cuda.current_stream(device).wait_stream(side)
             self.kept = None
+            pending.remove(self)
 
     def late(real):
         return lambda out, inp, *args, async_op=False, **kw: Late(out, inp) if async_op else real(out, inp, *args, **kw)
 
-    runs = {}
-    for when in ('on time', 'late'):
+    runs = {'on time': [], 'late': []}
+    for when in runs:
         with monkeypatch.context() as m:
             if when == 'late':
                 m.setattr(comm, 'ALL_GATHER', late(comm.ALL_GATHER))
                 m.setattr(comm, 'REDUCE_SCATTER', late(comm.REDUCE_SCATTER))
-            runs[when] = [run_stage(device, stage, dtype, **kw) for stage, dtype, kw in (
-                (1, torch.float32, {}), (2, torch.bfloat16, {}), (3, torch.float32, {}),
-                (3, torch.bfloat16, dict(prefetch=2)), (3, torch.float32, dict(blocks_per_unit=2)))]
+            for stage, dtype, kw in ((1, torch.float32, {}), (2, torch.bfloat16, {}), (3, torch.float32, {}),
+                                     (3, torch.bfloat16, dict(prefetch=2)), (3, torch.float32, dict(blocks_per_unit=2))):
+                runs[when].append(run_stage(device, stage, dtype, **kw))
+                assert not pending, f'stage {stage}: {len(pending)} collectives never waited'
     for late_run, on_time in zip(runs['late'], runs['on time']):
         assert_same_run(late_run, on_time, rtol=1e-6, atol=1e-7, param_atol=1e-7)
 

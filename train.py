@@ -299,7 +299,7 @@ def zero_config(cfg):
 
 
 def choose_stage(cfg, device, world_size, args):
-    """zero_stage='auto': the lowest stage whose states, transients and activations fit in the least memory of any rank."""
+    """zero_stage='auto': the lowest stage that fits (memory.py) in the least memory of any rank (device_memory_bytes)."""
     with torch.device('meta'):
         model = GPT(GPTConfig(**args))
     stage, line, hint = memory.lowest_stage_that_fits(
