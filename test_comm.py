@@ -30,6 +30,7 @@ import kernels
 import train
 import zero
 from model import GPT, GPTConfig
+from test_kernels import logged_device
 
 MODEL = dict(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=97, bias=True, dropout=0.0)
 
@@ -195,12 +196,7 @@ def test_on_cuda_the_spin_clock_is_timed_by_events_on_the_gpu_and_read_after_the
         def elapsed_time(self, end):
             return log.append(('elapsed_time', self.name, end.name)) or 25.0
 
-    @contextlib.contextmanager
-    def on(device):
-        log.append(('enter', device))
-        yield
-        log.append(('exit',))
-    monkeypatch.setattr(torch.cuda, 'device', on)
+    monkeypatch.setattr(torch.cuda, 'device', logged_device(log))
     monkeypatch.setattr(torch.cuda, '_sleep', lambda cycles: log.append(('spin', cycles)))
     monkeypatch.setattr(torch.cuda, 'Event', Event)
     assert comm.cuda_cycles_per_second(torch.device('cuda', 0), cycles=50_000_000) == pytest.approx(2e9, rel=1e-12)

@@ -1170,6 +1170,16 @@ def test_a_struct_layout_mismatch_is_a_clear_error(monkeypatch):
         kernels.Library(path)
 
 
+def logged_device(log):
+    """A stand-in for torch.cuda.device (a context manager): ("enter", device) and ("exit",) into log around its block."""
+    @contextlib.contextmanager
+    def device(gpu):
+        log.append(("enter", gpu))
+        yield
+        log.append(("exit",))
+    return device
+
+
 def test_on_cuda_a_library_call_runs_on_its_gpus_current_stream_and_a_cuda_error_is_named(monkeypatch):
     # Library.call's CUDA branch, torch.cuda's device and stream stood in for: inside the tensors' GPU as current
     # device, the entry point gets that GPU's current stream as its last argument; a non-zero cudaError_t is a
@@ -1182,12 +1192,7 @@ def test_on_cuda_a_library_call_runs_on_its_gpus_current_stream_and_a_cuda_error
     library = object.__new__(kernels.Library)  # no build: call() needs only .lib
     library.lib = lib
 
-    @contextlib.contextmanager
-    def on(device):
-        log.append(("enter", device))
-        yield
-        log.append(("exit",))
-    monkeypatch.setattr(torch.cuda, "device", on)
+    monkeypatch.setattr(torch.cuda, "device", logged_device(log))
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda device=None: log.append(("stream",)) or mock.Mock(cuda_stream=0x1234))
     with pytest.raises(RuntimeError, match=r"^nanozero adamw_step launch failed: an illegal memory access$"):
