@@ -438,6 +438,7 @@ def test_a_tensor_never_let_go_ends_the_run_after_the_timeout_with_a_warning(glo
     with pytest.warns(UserWarning, match='gloo still holds a tensor 0.2 s after the last collective'):
         comm.end_process_group(torch.device('cpu'), t, timeout=0.2)
     assert 0.2 <= time.perf_counter() - t0 < 5 and not dist.is_initialized() and t._use_count() == 2  # (the view)
+    del held  # held to here
 
 
 GLOO_THREADS_AFTER_THE_END = """
