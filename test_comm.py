@@ -31,6 +31,7 @@ import train
 import zero
 from model import GPT, GPTConfig
 from test_kernels import logged_device
+from test_zero import assert_same_run
 
 MODEL = dict(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=97, bias=True, dropout=0.0)
 
@@ -347,18 +348,19 @@ class LateCollectives:
     def launch(self, name, collective, out, inp, async_op=False, **kw):
         if not async_op:
             return collective(out, inp, **kw)
-        work = LateWork(name, functools.partial(collective, out, inp.clone(), **kw), out, inp, self)
+        work = LateWork(name, collective, out, inp, kw, self)
         self.pending.append(work)
         return work
 
 
 class LateWork:
-    def __init__(self, name, run, out, inp, late):
-        self.name, self.run, self.out, self.inp, self.late = name, run, out, inp, late  # run: on the input's copy
+    def __init__(self, name, collective, out, inp, kw, late):
+        self.name, self.out, self.inp, self.late = name, out, inp, late
         self.storages = {out.untyped_storage()._cdata, inp.untyped_storage()._cdata}
         self.where = (out.data_ptr(), inp.data_ptr())
         self.in_place = inp.untyped_storage()._cdata == out.untyped_storage()._cdata  # stages 1/2, and 3 with a cast
-        self.copy = inp.clone()
+        self.copy = inp.clone()  # before the poison: an in-place gather's input is a row of its output
+        self.run = functools.partial(collective, out, self.copy, **kw)
         out.detach().fill_(math.nan)  # read before the wait: NaN in the loss
 
     def wait(self):
@@ -371,32 +373,42 @@ class LateWork:
         self.run()
 
 
-def late_run(stage, param_dtype=torch.float32, checkpointing=False, late=None, **zero_kw):
-    """3 steps of 2 micro-steps at world 1, built on the meta device as train.py builds, and an eval forward after each
-    (its units reshard in no-grad forwards): the losses and grad norms, and what `late` saw left in flight."""
-    with torch.device('meta'):
-        model = GPT(GPTConfig(**{**MODEL, 'n_layer': 4}))
-    cfg = zero.ZeroConfig(stage=stage, param_dtype=param_dtype, grad_clip=0.05, **zero_kw)
-    engine = zero.build_engine(model, cfg, units=list(model.transformer.h), device=torch.device('cpu'))
+def run_stage(device, stage, dtype=torch.float32, checkpointing=False, in_flight=(), **zero_kw):
+    """MODEL (odd sizes, tied embeddings) trained as train.py trains it, at world 1: built on the meta device at stages
+    1-3, 3 steps of 2 micro-steps, clipping on, and an eval forward after each step (its units reshard in no-grad
+    forwards). in_flight: the collectives launched and not yet waited (a LateCollectives' pending), empty after each
+    step. Returns the losses, the pre-clip grad norms, the eval losses and every fp32 param: stage 0's own, the masters
+    of stages 1-3 (at world 1 a bucket's shard is the whole bucket). test_gpu.py runs it on NCCL."""
+    with torch.device('meta' if stage else device):
+        model = GPT(GPTConfig(**MODEL))
+    cfg = zero.ZeroConfig(stage=stage, param_dtype=dtype, grad_clip=0.05, **zero_kw)
+    engine = zero.build_engine(model, cfg, units=list(model.transformer.h), device=device)
     if checkpointing:
         fsdp_lite.checkpoint_activations(model.transformer.h)
-    autocast = torch.autocast('cpu', param_dtype) if param_dtype != torch.float32 else nullcontext()
-    data, numbers = torch.Generator().manual_seed(1234), []
-    for _ in range(3):
-        x = torch.randint(MODEL['vocab_size'], (2, 2, MODEL['block_size'] + 1), generator=data)
-        loss, norm = train.train_step(engine, [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in x], 3e-3, autocast)
+    autocast = torch.autocast(device.type, dtype) if dtype != torch.float32 else nullcontext()
+    data, run = torch.Generator().manual_seed(1234), dict(losses=[], norms=[], evals=[])
+    for step in range(3):
+        x = torch.randint(MODEL['vocab_size'], (2, 2, MODEL['block_size'] + 1), generator=data).to(device)
+        batches = [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in x]
+        loss, norm = train.train_step(engine, batches, 3e-3, autocast)
         with torch.no_grad(), autocast:
-            numbers += [loss.item(), norm, model(x[0][:, :-1].contiguous(), x[0][:, 1:].contiguous())[1].item()]
-        if late is not None and late.pending:
-            late.errors.append(f'never waited: {[w.name for w in late.pending]}')
-    return numbers
+            run['evals'].append(model(*batches[0])[1].item())
+        assert not in_flight, f'step {step}: {len(in_flight)} collectives never waited'
+        run['losses'].append(loss.item())
+        run['norms'].append(norm)
+    if stage == 0:
+        run['params'] = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+    else:
+        by_param = {p: v.cpu() for b in engine.buckets for p, v in b.views(engine.master_values(b))}
+        run['params'] = {n: by_param[p] for n, p in model.named_parameters()}
+    return run
 
 
-LATE = {'stage 1': dict(stage=1), 'stage 2, bf16': dict(stage=2, param_dtype=torch.bfloat16),
+LATE = {'stage 1': dict(stage=1), 'stage 2, bf16': dict(stage=2, dtype=torch.bfloat16),
         'stage 3, 2 blocks a unit, prefetch 2': dict(stage=3, blocks_per_unit=2, prefetch=2),
-        'stage 3, bf16, checkpointing': dict(stage=3, param_dtype=torch.bfloat16, checkpointing=True),
+        'stage 3, bf16, checkpointing': dict(stage=3, dtype=torch.bfloat16, checkpointing=True),
         'stage 3, kept gathered after forward': dict(stage=3, reshard_after_forward=False),
-        'stage 3, bf16, remainder master': dict(stage=3, param_dtype=torch.bfloat16,
+        'stage 3, bf16, remainder master': dict(stage=3, dtype=torch.bfloat16,
                                                 precision=kernels.Precision(master_weights='remainder'))}
 
 
@@ -404,11 +416,13 @@ LATE = {'stage 1': dict(stage=1), 'stage 2, bf16': dict(stage=2, param_dtype=tor
 def test_collectives_that_land_only_at_their_wait_change_no_number(gloo_world, monkeypatch, kind):
     """Every async collective of stages 1-3 read, freed and reused only after its wait: with every one landing as late
     as NCCL may land it, the run is bit for bit the on-time one."""
-    late = LateCollectives(monkeypatch)
-    numbers = late_run(**LATE[kind], late=late)
+    late, cpu = LateCollectives(monkeypatch), torch.device('cpu')
+    run = run_stage(cpu, **LATE[kind], in_flight=late.pending)
     assert not late.errors, late.errors  # before the on-time run: a buffer freed in flight may crash gloo's thread
     monkeypatch.undo()
-    assert numbers == late_run(**LATE[kind])
+    on_time = run_stage(cpu, **LATE[kind])
+    assert_same_run(run, on_time, rtol=0, atol=0)  # bit for bit: losses, grad norms, every param
+    assert run['evals'] == on_time['evals']
 
 
 # -----------------------------------------------------------------------------

@@ -14,7 +14,6 @@ the loss finite and falling, the log lines, the files written. NANOZERO_GPU_TEST
 harness on the CPU (gloo, fp32, small models: the assertions that need CUDA are left out) to check the
 harness itself on a machine without a GPU; that is not a GPU test.
 """
-import contextlib
 import datetime
 import functools
 import json
@@ -370,33 +369,7 @@ def test_a_nccl_run_ends_through_end_process_group(nccl_world):
 
 # -----------------------------------------------------------------------------
 # the stages on NCCL end where stage 0 ends: a race between a stream and the host shows as a wrong number
-
-
-def run_stage(device, stage, dtype, steps=3, micro=2, **zero_kw):
-    """A tiny GPT (odd sizes, tied embeddings) trained as train.py trains it at world 1: built on the meta device at
-    stages 1-3, 2 micro-steps a step, clipping on. Returns the losses, the pre-clip grad norms and every fp32 param:
-    stage 0's own, the masters of stages 1-3 (at world 1 a bucket's shard is the whole bucket)."""
-    import train
-    import zero
-    config = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=97, bias=True)
-    with torch.device('meta' if stage else device):
-        model = GPT(config)
-    cfg = zero.ZeroConfig(stage=stage, param_dtype=dtype, grad_clip=0.05, **zero_kw)
-    engine = zero.build_engine(model, cfg, units=list(model.transformer.h), device=device)
-    autocast = torch.autocast(device.type, dtype) if dtype != torch.float32 else contextlib.nullcontext()
-    data, losses, norms = torch.Generator().manual_seed(1234), [], []
-    for _ in range(steps):
-        x = torch.randint(config.vocab_size, (micro, 2, config.block_size + 1), generator=data).to(device)
-        loss, norm = train.train_step(engine, [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in x], 3e-3,
-                                      autocast)
-        losses.append(loss.item())
-        norms.append(norm)
-    if stage == 0:
-        params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
-    else:
-        by_param = {p: v.cpu() for b in engine.buckets for p, v in b.views(engine.master_values(b))}
-        params = {n: by_param[p] for n, p in model.named_parameters()}
-    return dict(losses=losses, norms=norms, params=params)
+# (test_comm.run_stage, on NCCL here)
 
 
 def test_stages_1_to_3_on_the_gpu_end_where_stage_0_ends(nccl_world):
@@ -407,6 +380,7 @@ def test_stages_1_to_3_on_the_gpu_end_where_stage_0_ends(nccl_world):
     gather's cast included). The CPU suite's tolerances x10: the GPU adds other summation orders; a stale grad or param
     is off by far more (a step moves a param by up to lr = 3e-3). Not the 8-bit state: there a grad norm's last bit
     (the shards' squares summed in another order) flips a code, and the params part by ~1e-2 (checked on the CPU)."""
+    from test_comm import run_stage
     from test_zero import assert_same_run
     device = nccl_world
     base = run_stage(device, 0, torch.float32)
@@ -424,6 +398,7 @@ def test_collectives_landing_late_on_their_own_stream_change_no_number(nccl_worl
     wait then races the caching allocator's next kernel on the current stream, and shows as a number off; at world 1
     real NCCL lands too soon to show it."""
     import comm
+    from test_comm import run_stage
     from test_zero import assert_same_run
     device, side, pending = nccl_world, torch.cuda.Stream(nccl_world), []
 
@@ -454,8 +429,7 @@ def test_collectives_landing_late_on_their_own_stream_change_no_number(nccl_worl
                 m.setattr(comm, 'REDUCE_SCATTER', late(comm.REDUCE_SCATTER))
             for stage, dtype, kw in ((1, torch.float32, {}), (2, torch.bfloat16, {}), (3, torch.float32, {}),
                                      (3, torch.bfloat16, dict(prefetch=2)), (3, torch.float32, dict(blocks_per_unit=2))):
-                runs[when].append(run_stage(device, stage, dtype, **kw))
-                assert not pending, f'stage {stage}: {len(pending)} collectives never waited'
+                runs[when].append(run_stage(device, stage, dtype, in_flight=pending, **kw))
     for late_run, on_time in zip(runs['late'], runs['on time']):
         assert_same_run(late_run, on_time, rtol=1e-6, atol=1e-7, param_atol=1e-7)
 
