@@ -1012,7 +1012,9 @@ def test_the_8bit_kernels_l2_prefetches_ask_for_the_blocks_of_the_rounds_to_come
 @pytest.mark.parametrize("archs, gpu, built", [("8.0", (9, 0), ["80", "90"]), ("9.0a", (9, 0), ["90a"]),
                                                ("8.0;9.0+PTX", (9, 0), ["80", "90"]), ("", (8, 6), ["86"]),
                                                ("7.5", None, ["75"]), ("8.0", (8, 6), ["80"]),  # 8.0 runs on 8.6
-                                               ("8.0+PTX", (9, 0), ["80"]), ("9.0a", (10, 0), ["90a", "100"])])
+                                               ("8.0+PTX", (9, 0), ["80"]), ("9.0a", (10, 0), ["90a", "100"]),
+                                               ("Ampere", (8, 6), ["80", "86"]), ("Turing,Hopper", (9, 0), ["75", "90"]),
+                                               ("native", (9, 0), ["90"]), ("Blackwell", (10, 0), ["100", "103", "120", "121"])])
 def test_the_cuda_build_always_includes_the_gpu_at_hand(monkeypatch, archs, gpu, built):
     # a TORCH_CUDA_ARCH_LIST set for other GPUs (a container's) must not leave this one without a kernel
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", archs)
@@ -1020,6 +1022,21 @@ def test_the_cuda_build_always_includes_the_gpu_at_hand(monkeypatch, archs, gpu,
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: gpu)
     flags = [f for f in kernels._cuda_arch_flags() if "code=sm_" in f]
     assert [f.rsplit("sm_", 1)[1] for f in flags] == built
+
+
+@pytest.mark.parametrize("archs", ["sm_90", "9", "Hoper", "9.0;compute_90"])
+def test_an_arch_list_nvcc_cannot_take_falls_back_with_one_line_naming_it(monkeypatch, archs):
+    # before, "Ampere" (which torch takes) reached int("Ampere"): a ValueError past every fallback, train.py dead at
+    # its first step; now a name is expanded and anything else is one RuntimeError line, the reference step's warning
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", archs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(kernels, "_LIBRARIES", {})
+    with pytest.warns(UserWarning, match=r"reference AdamW step: cuda build failed: TORCH_CUDA_ARCH_LIST has '[^']+', not a CUDA arch: "
+                                         r"write e\.g\. 9\.0, 9\.0a, 8\.6\+PTX, a name such as Hopper, or native"):
+        assert kernels.resolve_impl("auto", torch.device("cuda")) == "reference"
+    with pytest.raises(RuntimeError, match="impl=.cuda. is not available: cuda build failed: TORCH_CUDA_ARCH_LIST has"):
+        kernels.resolve_impl("cuda", torch.device("cuda"))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
