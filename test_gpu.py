@@ -59,6 +59,7 @@ PRECISION = {  # every key of what the optimizer stores, each at a stage (the CU
     'remainder + int8': (3, ['--master_weights=remainder', '--state_dtype=int8']),
     'none + stochastic rounding': (2, ['--master_weights=none', '--stochastic_rounding=True']),
     'fp16 + loss scaling': (3, ['--dtype=float16'] if GPU else []),
+    'bf16 reductions': (1, ['--reduce_dtype=bfloat16']),  # NCCL's bf16 reduce-scatter; stage 1's flat grad in bf16
 }
 
 
@@ -231,7 +232,8 @@ def test_every_precision_key_trains(key):
     log = ok(f'precision {key}')
     assert_trains(log, stage)
     stored = {'remainder': 'master      int16', 'int8 state': 'exp_avg     uint8', 'bf16 state': 'exp_avg     bfloat16',
-              'remainder + int8': 'master      int16', 'none + stochastic rounding': 'exp_avg     float32'}
+              'remainder + int8': 'master      int16', 'none + stochastic rounding': 'exp_avg     float32',
+              'bf16 reductions': 'grads       bfloat16'}
     if key in stored:
         assert stored[key] in log, log[:3000]
     if key.startswith('fp16') and GPU:

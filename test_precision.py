@@ -154,6 +154,29 @@ def test_fp16_loss_scaling_matches_bf16_free_training_within_fp16_noise():
     torch.testing.assert_close(torch.tensor(fp16['losses']), torch.tensor(fp32['losses']), rtol=2e-3, atol=0)
 
 
+JOBS['bf16 reductions'] = [dict(kind=kind, accum=accum, **extra) for accum in (2, 4) for kind, extra in (
+    ('ddp', {}), ('bf16_reduce_bf16', {}), ('bf16_reduce_fp32', {}),
+    *((f'zero{s}', {'reduce_dtype': torch.bfloat16}) for s in (1, 2, 3)))]
+
+
+def test_bf16_reductions_round_each_grad_once_and_average_the_ranks_in_bf16():
+    """reduce_dtype=bfloat16, against test_zero.Bf16ReduceEngine (torch's clip and AdamW on grads reduced as
+    described there), at one and at two micro-steps a rank: stage 1 sums a step's micro-steps into its bf16 flat
+    grad and reduces once; stages 2 and 3 reduce each micro-step and sum in fp32. Same losses, norms within 2e-5, params
+    within 2e-4: a last-bit difference in step 1 (the clip's coefficient, from the norm's summation order) can move a
+    grad across a bf16 rounding boundary in step 2, a 2^-8 jump that Adam carries into its update (up to 4e-5
+    measured). Reducing in fp32 instead moves the params 3e-3 to 6e-3, and the other stage's way of summing the
+    micro-steps 6e-3."""
+    runs = results('bf16 reductions')
+    for accum, (fp32, bf16_sum, fp32_sum, *stages) in zip((2, 4), (runs[:6], runs[6:])):
+        for stage, r, oracle in zip((1, 2, 3), stages, (bf16_sum, fp32_sum, fp32_sum)):
+            assert not isinstance(r, Exception), (stage, r)
+            assert_same_run(r, oracle, rtol=2e-5, atol=1e-6, param_atol=2e-4)
+            assert max((r['params'][n] - fp32['params'][n]).abs().max() for n in fp32['params']) > 1e-3, stage
+            assert r['comm_bytes']['reduce_scatter'] == 2 * r['comm']['reduce_scatter'], stage  # sent: 2 bytes each
+        assert stages[0]['populations']['grads'][0] == torch.bfloat16
+
+
 TIE = 1 + 2**-8  # every param at a tie between two bf16
 JOBS.update({f'tie, stage {stage}': [dict(kind=f'zero{stage}', param_dtype=torch.bfloat16, steps=0, init_value=TIE,
                                           **extra) for extra in ({'precision': MODES['none']}, {})]
