@@ -623,10 +623,12 @@ def test_no_tensor_is_made_without_naming_its_device_outside_a_modules_init():
     # runs them without the default-device mode. So every factory call in the code that runs on a GPU names
     # its device; model.py's params are the exception by design (a module's __init__ runs under meta or the
     # target device), and only those: the rest of model.py runs in the forward and backward.
-    factories = {'zeros', 'ones', 'empty', 'full', 'tensor', 'arange', 'randn', 'rand', 'randint', 'linspace',
-                 'empty_strided', 'as_tensor', 'randperm', 'eye'}
+    from torch.utils._device import _device_constructors  # what `with torch.device(...)` redirects: ~36 factories
+    factories = {f.__name__ for f in _device_constructors()}
+    assert {'zeros', 'empty', 'tensor', 'arange', 'asarray', 'scalar_tensor', 'tril_indices'} <= factories, factories
     root = os.path.dirname(os.path.abspath(__file__))
     files = [f for f in os.listdir(root) if f.endswith('.py') and not f.startswith('test_')]
+    files += [os.path.join('.ci', f) for f in os.listdir(os.path.join(root, '.ci')) if f.endswith('.py')]
     unnamed = []
     for f in files:
         tree = ast.parse(open(os.path.join(root, f)).read())
