@@ -455,6 +455,19 @@ def test_a_tensor_never_let_go_ends_the_run_after_the_timeout_with_a_warning(glo
     del held  # held to here
 
 
+
+def test_on_nccl_the_end_waits_for_no_tensor_held(gloo_world, monkeypatch):
+    # NCCL's worker is not gloo's: a tensor the caller still views is no reason to wait (test_gpu.py ends a real
+    # NCCL run, test_a_nccl_run_ends_through_end_process_group); the backend stood in for, the wait must not start
+    t = torch.zeros(4)
+    held = t.view(-1)
+    monkeypatch.setattr(dist, 'get_backend', lambda *args, **kwargs: 'nccl')
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # a wait would end in gloo's warning, after the timeout
+        comm.end_process_group(torch.device('cpu'), t, timeout=0.5)
+    assert not dist.is_initialized() and t._use_count() == 2  # (the view, kept)
+    del held
+
 GLOO_THREADS_AFTER_THE_END = """
 import os, sys, torch
 sys.path.insert(0, os.getcwd())

@@ -275,6 +275,15 @@ def test_on_a_gpu_the_limit_is_its_free_memory_and_memory_gb_is_ignored(monkeypa
     assert memory.device_memory_bytes(gpu, memory_gb=16.0) == 7e9
     assert asked == [gpu, gpu]
     assert memory.device_memory_bytes(torch.device('cpu'), memory_gb=16.0) == 16e9  # where memory_gb does count
+    # in a process group the least of any rank's, on the rank's GPU (NCCL takes no CPU tensor), in float64 (bytes
+    # past 2^24 lose their low digits in float32); torch.tensor and the all-reduce stood in for, another rank has 5e9
+    made, reduced = [], []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(dist, 'is_initialized', lambda: True)
+    monkeypatch.setattr(torch, 'tensor', lambda data, **kw: made.append(kw) or real_tensor(data, dtype=kw['dtype']))
+    monkeypatch.setattr(dist, 'all_reduce', lambda t, op: reduced.append(op) or t.fill_(min(t.item(), 5e9)))
+    assert memory.device_memory_bytes(gpu) == 5e9
+    assert made == [dict(dtype=torch.float64, device=gpu)] and reduced == [dist.ReduceOp.MIN]
 
 
 def test_auto_in_a_real_run_prints_its_reasoning_and_trains_with_the_stage_it_picked(tmp_path):
