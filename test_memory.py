@@ -475,6 +475,25 @@ def test_the_profiler_is_stopped_after_the_fourth_iteration(tmp_path):
         running.append(profiler is not None and torch.autograd._profiler_enabled())
     assert running == [True, True, True, False, False, False, False] and (tmp_path / 'trace_rank0.json').exists()
 
+def test_on_cuda_the_profiler_records_the_gpus_kernels_too(monkeypatch, tmp_path):
+    # train.start_profiler's CUDA branch, torch.profiler.profile stood in for: a GPU run's trace has the kernels
+    # (test_gpu.py's test_profile_traces_cuda_kernels... reads a real one), a CPU run's asks for no CUDA activity
+    asked = []
+
+    class Profile:
+        def __init__(self, activities, **kwargs):
+            asked.append(activities)
+
+        def start(self):
+            pass
+    monkeypatch.setattr(torch.profiler, 'profile', Profile)
+    cfg = {'profile': True, 'out_dir': str(tmp_path)}
+    for device in (torch.device('cuda', 1), torch.device('cpu')):
+        train.start_profiler(cfg, 0, device)
+    activity = torch.profiler.ProfilerActivity
+    assert asked == [[activity.CPU, activity.CUDA], [activity.CPU]]
+
+
 # -----------------------------------------------------------------------------
 # python bench.py scale
 
