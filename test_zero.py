@@ -185,7 +185,7 @@ def full_params(engine, model):
     full = {}
     for b in engine.buckets:
         flat = torch.empty(b.padded_numel)
-        dist.all_gather_into_tensor(flat, engine.master_values(b).contiguous())
+        comm.ALL_GATHER(flat, engine.master_values(b).contiguous())
         full.update({p: view.clone() for p, view in b.views(flat)})
     return {n: full[p] if p in full else p.detach().float().clone() for n, p in model.state_dict(keep_vars=True).items()}
 
