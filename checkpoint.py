@@ -109,7 +109,9 @@ def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
     files = [f'rank{r:05d}.pt' for r in range(world_size if engine.stage else 1)]  # stage 0: one copy, rank 0's
     if rank == 0:
         log(f"saving checkpoint {final} ({len(files)} shard file(s))")
-        for stale in glob.glob(os.path.join(out_dir, 'ckpt-*.tmp')):  # left by a crash during an earlier save
+        # left by a crash: .tmp directories of earlier saves, and this save's ckpt-N if it has no manifest (a prune
+        # or an rm -r cut short: not a checkpoint, and the rename below could not replace it)
+        for stale in glob.glob(os.path.join(out_dir, 'ckpt-*.tmp')) + [final] * os.path.exists(final):
             shutil.rmtree(stale, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier(group=process_group)
@@ -134,10 +136,9 @@ def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
             f.flush()
             os.fsync(f.fileno())
         fault_point('manifest', iter_num)
+        sync_directory(tmp)  # its entries (the files' names) survive a power cut, as the files themselves do
         os.rename(tmp, final)
-        fd = os.open(out_dir, os.O_RDONLY)  # the rename itself survives a power cut
-        os.fsync(fd)
-        os.close(fd)
+        sync_directory(out_dir)  # and so does the rename
         prune(out_dir, cfg['keep_last'])
     dist.barrier(group=process_group)
     return final
@@ -148,6 +149,14 @@ def write(obj, path):
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def sync_directory(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def prune(out_dir, keep_last):

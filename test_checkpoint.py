@@ -73,7 +73,7 @@ class Run:
     bug: bool = False  # every rank takes rank 0's micro-batches: a data-parallel bug the oracle must catch
     measure_save: bool = False  # measured_save instead of checkpoint.save
     slow_write: bool = False  # rank 1 writes its file a second late
-    litter: bool = False  # out_dir starts with what crashes leave: a .tmp with a manifest, a half-pruned directory
+    litter: bool = False  # out_dir starts with what crashes leave: a .tmp with a manifest, half-pruned directories
 
 
 def run(rank, groups, job_dir, r):
@@ -84,7 +84,8 @@ def run(rank, groups, job_dir, r):
     cfg = {**CFG, 'zero_stage': r.stage, 'gradient_accumulation_steps': r.accum,
            'out_dir': os.path.join(job_dir, r.name), **r.cfg}
     if r.litter and rank == 0:
-        for junk, file in (('ckpt-99999999.tmp', 'manifest.json'), ('ckpt-00000000', 'rank00000.pt')):
+        for junk, file in (('ckpt-99999999.tmp', 'manifest.json'), ('ckpt-00000000', 'rank00000.pt'),
+                           ('ckpt-00000001', 'rank00001.pt')):  # the first save's: before, its rename failed
             os.makedirs(os.path.join(cfg['out_dir'], junk))
             open(os.path.join(cfg['out_dir'], junk, file), 'w').close()
     engine = build(cfg, groups[r.world])
@@ -378,7 +379,8 @@ def test_manifest_describes_the_layout_and_the_run():
 
 def test_partial_checkpoints_are_ignored_and_removed_by_the_next_save(tmp_path):
     """What crashes leave: a .tmp directory (even with a manifest: killed before the rename) and a directory
-    being pruned whose manifest is already gone. Neither is ever resumed from; the next save removes both."""
+    being pruned whose manifest is already gone, also where the next save goes. Neither is ever resumed from; the
+    next save removes both (before, a ckpt-N without a manifest made the save of N fail at its rename)."""
     _, d = job('stage 3 on 2 -> stage 1 on 3')
     shutil.copytree(ckpt(d + '/saved', 2), ckpt(tmp_path, 2))
     shutil.copytree(ckpt(d + '/saved', 2), ckpt(tmp_path, 1))
@@ -387,6 +389,7 @@ def test_partial_checkpoints_are_ignored_and_removed_by_the_next_save(tmp_path):
     assert checkpoint.latest(tmp_path) == ckpt(tmp_path, 2)
     _, d = job('litter')  # the same litter, then saves at 1 and 2 with keep_last=1
     assert os.listdir(d + '/out') == ['ckpt-00000002']
+    assert sorted(checkpoint.read_manifest(ckpt(d + '/out', 2))['files']) == ['rank00000.pt', 'rank00001.pt']
 
 
 # -----------------------------------------------------------------------------
