@@ -224,7 +224,7 @@ def bench_zero(args):
     # in a function that binds `torch` as a local name, unbound wherever the import did not run.)
     if 'ddp+zero_redundancy' in args.kinds.split(','):
         from torch.distributed import optim  # noqa: F401
-    device, rank, world_size = train.setup_distributed(cfg)
+    device, rank, world_size = comm.start_process_group(cfg['device'], cfg['backend'])
     train.check_config(cfg, world_size)
     kinds = args.kinds.split(',')
     if {k.split(':')[0] for k in kinds} - set(KINDS):

@@ -18,9 +18,10 @@ moment leaves either no ckpt-N or a complete one; resume takes the newest direct
 checks every file against it. Leftover .tmp directories are removed by the next save, and only the newest
 keep_last complete checkpoints stay (the manifest is deleted first, so a crash while pruning cannot leave a
 directory that looks complete). A restarted worker (torchrun --max-restarts=N; train.py keeps each
-attempt's rendezvous apart, see train.restart_store) resumes from the newest one. A run from scratch
+attempt's rendezvous apart, see comm.restart_store) resumes from the newest one. A run from scratch
 refuses an out_dir that holds checkpoints: they belong to another run, and a restart or a keep_last cleanup
-would mix the two. (Several nodes need out_dir on a shared filesystem.)
+would mix the two; and no two runs train in one out_dir at once ([Note: one run an out_dir], claim). (Several
+nodes need out_dir on a shared filesystem.)
 
 [Note: resume anywhere] The manifest says where every param's elements live: bucket, offset, shard size,
 world size. A run with the same layout copies its own file back, bit for bit. Any other world size, stage
@@ -30,11 +31,13 @@ stores it in its own precision. No conversion step for the user.
 Ranks and barriers are the engine's process group's (engine.comm), not necessarily the whole job's.
 """
 import argparse
+import fcntl
 import glob
 import json
 import os
 import shutil
 import signal
+import socket
 import sys
 
 import torch
@@ -45,6 +48,7 @@ import kernels
 FORMAT = 1
 POPULATIONS = ('master', 'exp_avg', 'exp_avg_sq')
 SHAPE_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size')  # dropout may change on resume
+DATA_KEYS = ('dataset', 'seed', 'batch_size', 'gradient_accumulation_steps')  # may change too: load() says so
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # -----------------------------------------------------------------------------
@@ -209,8 +213,13 @@ def read_manifest(path):
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: not a readable manifest ({e})") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{where}: a JSON {type(manifest).__name__}, not a manifest nanozero wrote")
     if manifest.get('format') != FORMAT:
         raise ValueError(f"{where}: format version {manifest.get('format')!r}, this nanozero reads {FORMAT}")
+    missing = [k for k in ('iter_num', 'files', 'layout', 'model_args', 'config', 'stage', 'world_size') if k not in manifest]
+    if missing:
+        raise ValueError(f"{where}: no {', '.join(missing)}: not a manifest nanozero wrote (or one edited by hand)")
     for name, size in manifest['files'].items():
         file = os.path.join(path, name)
         if not os.path.exists(file):
@@ -218,6 +227,30 @@ def read_manifest(path):
         if os.path.getsize(file) != size:
             raise ValueError(f"{file} is truncated or changed: {os.path.getsize(file):,} bytes, the manifest says {size:,}")
     return manifest
+
+
+def claim(out_dir):
+    """[Note: one run an out_dir] Rank 0 of a training run holds an exclusive lock on out_dir/.lock until its
+    process ends (the returned file stays open): a second run on the same out_dir would delete the first one's
+    .tmp directory mid-save, skip saves the other wrote first and prune the other's checkpoints. A crashed or
+    restarted run's lock goes with its process. ValueError, naming the holder, if another run has it."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        lock = open(os.path.join(out_dir, '.lock'), 'a+')
+    except OSError as e:  # before, found at the first save, after the training it would have kept
+        raise ValueError(f"out_dir={out_dir!r} is not a directory this run can write to ({e.strerror})") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or 'another process'
+        lock.close()
+        raise ValueError(f"out_dir {out_dir} is in use by another training run ({holder}): give this run its own "
+                         f"out_dir, or wait for that one to end") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    lock.flush()
+    return lock
 
 
 def find_resume(cfg, model_args):
@@ -236,6 +269,9 @@ def find_resume(cfg, model_args):
     if path is None:
         raise ValueError(f"init_from='resume': no complete checkpoint (ckpt-*/manifest.json) in {cfg['out_dir']}")
     manifest = read_manifest(path)
+    if manifest['iter_num'] >= cfg['max_iters'] and not (restarted or cfg['eval_only']):
+        raise ValueError(f"{path} is at iteration {manifest['iter_num']} and max_iters={cfg['max_iters']}: nothing is "
+                         f"left to train; raise max_iters (or evaluate it with eval_only=True)")
     differ = {k: (manifest['model_args'].get(k), model_args.get(k)) for k in SHAPE_ARGS
               if manifest['model_args'].get(k) != model_args.get(k)}
     if differ:
@@ -294,13 +330,30 @@ class Shards:
 # load into an engine, at the same layout (bit for bit) or any other
 
 
-def load(engine, path, manifest, log=print):
-    """Restore the optimizer state, params and counters; returns (iter_num, best_val_loss)."""
+def resume_notes(manifest, zero_cfg, cfg=None):
+    """What a resumed run changes that load() converts or cannot keep, one line each: how the state is stored (the
+    values are converted: exact where the new form holds every bit, else rounded once), and what draws the batches."""
+    notes = []
+    if manifest['precision'] != vars(zero_cfg.precision) or manifest['param_dtype'] != str(zero_cfg.param_dtype)[6:]:
+        notes.append(f"note: stored as {kernels.Precision(**manifest['precision'])} with {manifest['param_dtype']} "
+                     f"params; now {zero_cfg.precision} with {str(zero_cfg.param_dtype)[6:]} params: converted")
+    changed = [f"{k} {manifest['config'].get(k)!r} -> {cfg[k]!r}" for k in DATA_KEYS
+               if cfg is not None and manifest['config'].get(k) != cfg[k]]
+    if changed:
+        notes.append(f"note: {', '.join(changed)}: the batches from here on are not those the saved run would have drawn")
+    return notes
+
+
+def load(engine, path, manifest, log=print, cfg=None):
+    """Restore the optimizer state, params and counters; returns (iter_num, best_val_loss). cfg (the run's config):
+    say what the resumed run changes in how it stores the state or draws its batches."""
     same = (manifest['stage'] == engine.stage and manifest['layout'] == layout(engine)
             and manifest['world_size'] == engine.comm.world_size
             and manifest['precision'] == vars(engine.cfg.precision) and manifest['param_dtype'] == str(engine.cfg.param_dtype)[6:])
     log(f"resuming from {path} (iteration {manifest['iter_num']}, stage {manifest['stage']} on {manifest['world_size']} "
         f"rank(s){'' if same else f'; rebuilding the shards for stage {engine.stage} on {engine.comm.world_size} rank(s)'})")
+    for line in resume_notes(manifest, engine.cfg, cfg):
+        log(line)
     shards = Shards(path, manifest)
     with torch.no_grad():
         if engine.stage == 0:

@@ -1,6 +1,6 @@
 """
-comm: the collectives ZeRO needs, counted, on one process group; a run's clean end (end_process_group);
-and a simulated link for rank 0 of a big job.
+comm: the collectives ZeRO needs, counted, on one process group; a run's process group, started
+(start_process_group) and ended cleanly (end_process_group); and a simulated link for rank 0 of a big job.
 
 `Comm` is what zero.py and fsdp_lite.py call: all-gather, reduce-scatter, all-reduce, each counted in elements
 and bytes. Under torch's fake process group (bench.py scale: rank 0 of 64 ranks alone on one machine) every
@@ -35,7 +35,9 @@ import contextlib
 import gc
 import importlib
 import math
+import os
 import sys
+import threading
 import time
 import warnings
 from collections import Counter
@@ -144,6 +146,50 @@ class Comm:
 
 # -----------------------------------------------------------------------------
 # The end of a run
+
+# -----------------------------------------------------------------------------
+# A run's process group: its start (start_process_group, restart_store) and its end (end_process_group)
+
+
+def start_process_group(device_name, backend='', quiet_for=30.0):
+    """Under torchrun: one process per rank, its device, its backend ('' = nccl on GPUs, gloo on CPUs). Without
+    torchrun: world size 1 (a 1-rank process group, so every stage runs the same code). Returns (device, rank,
+    world size). A rendezvous still waiting after quiet_for seconds says so on stderr, once, naming what it waits
+    for (e.g. RANK and WORLD_SIZE set by hand, the other ranks never started): a wait is never silent."""
+    if 'RANK' not in os.environ:
+        os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1',
+                          MASTER_PORT=str(29500 + os.getpid() % 1000))
+    device = torch.device(device_name)
+    if device.type == 'cuda':
+        device = torch.device('cuda', int(os.environ['LOCAL_RANK']))
+        torch.cuda.set_device(device)
+    backend = backend or ('nccl' if device.type == 'cuda' else 'gloo')
+    rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
+    note = threading.Timer(quiet_for, lambda: print(
+        f"rank {rank}: still waiting for the other {world_size - 1} rank(s) at {os.environ.get('MASTER_ADDR')}:"
+        f"{os.environ.get('MASTER_PORT')} after {quiet_for:g} s: are they started, with the same WORLD_SIZE and "
+        "MASTER_ADDR:MASTER_PORT?", file=sys.stderr, flush=True))
+    note.daemon = True
+    note.start()
+    try:
+        dist.init_process_group(backend=backend, device_id=device if backend == 'nccl' else None,
+                                store=restart_store(), rank=rank, world_size=world_size)
+    finally:
+        note.cancel()
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def restart_store():
+    """After torchrun restarts the workers (--max-restarts), they rendezvous in torchrun's own TCP store again,
+    which still holds the dead attempt's keys (the ranks' addresses): gloo then connects to dead processes
+    (pytorch/pytorch#135712). A key prefix per attempt keeps each attempt to itself. None: the default store."""
+    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+    if attempt == '0' or os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return None
+    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), int(os.environ['WORLD_SIZE']),
+                          is_master=False)
+    return dist.PrefixStore(f'nanozero/attempt{attempt}', store)
+
 
 # [Note: the end of a run] A gloo collective runs on one of gloo's worker threads. The caller sees it complete
 # and moves on; a moment later the worker lets go of the collective's tensors, and because a tensor made in

@@ -19,7 +19,13 @@ from model import GPT, GPTConfig
 def load_model(path):
     """(GPT in eval mode, info: model_args, iter_num, best_val_loss, config, stage, world_size[, meta])."""
     if os.path.isfile(path):
-        info = torch.load(path, map_location='cpu', weights_only=True)
+        try:
+            info = torch.load(path, map_location='cpu', weights_only=True)
+        except Exception as e:  # not a torch file at all (torch says why in many lines)
+            raise ValueError(f"not a file torch.save wrote ({type(e).__name__})") from None
+        if not isinstance(info, dict) or 'model' not in info:  # e.g. one rank's shard file of a ckpt-N directory
+            raise ValueError("not a consolidated model: give its ckpt-N directory or out_dir, or make one with "
+                             "python checkpoint.py consolidate OUT_DIR -o model.pt")
         state = info.pop('model')
     else:
         state, info = checkpoint.full_state_dict(path)
@@ -63,6 +69,11 @@ def main(argv=None):
     parser.add_argument('--seed', type=int, default=1337)
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     args = parser.parse_args(argv)
+    wrong = [f"--{k}={getattr(args, k)}: use at least 1" for k in ('num_samples', 'max_new_tokens', 'top_k') if getattr(args, k) < 1]
+    wrong += [f"--temperature={args.temperature}: use a value > 0 (--top_k=1 decodes greedily)"] * (args.temperature <= 0)
+    wrong += ["--start is empty: give at least one character (the default is a newline)"] * (args.start in ('', 'FILE:'))
+    if wrong:
+        parser.error(wrong[0])
     path = args.ckpt or args.out_dir
     try:
         model, info = load_model(path)
@@ -75,8 +86,11 @@ def main(argv=None):
     encode, decode = tokenizer(info)
     start = args.start
     if start.startswith('FILE:'):
-        with open(start[5:], encoding='utf-8') as f:
-            start = f.read()
+        try:
+            with open(start[5:], encoding='utf-8') as f:
+                start = f.read()
+        except OSError as e:
+            parser.error(f"--start={args.start}: {e.strerror}")
     torch.manual_seed(args.seed)
     x = torch.tensor(encode(start), dtype=torch.long, device=args.device)[None, ...]
     for _ in range(args.num_samples):

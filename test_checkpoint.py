@@ -15,9 +15,12 @@ Two ways to run ranks:
 import atexit
 import datetime
 import functools
+import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -461,14 +464,14 @@ def test_killed_rank_restarts_from_the_last_complete_checkpoint_and_ends_bit_ide
     restart, rank 1 after writing its file of ckpt-7 (a .tmp directory without a manifest); on the second, rank 0
     after writing ckpt-8's manifest but before the rename (a .tmp directory with a complete manifest)."""
     out_dir = scratch_dir('faults')
-    # (without train.restart_store the restarted gloo workers fail: "Gloo connectFullMesh failed ... Connection
+    # (without comm.restart_store the restarted gloo workers fail: "Gloo connectFullMesh failed ... Connection
     # refused", 3 runs out of 3 here, pytorch/pytorch#135712)
     env = {'NANOZERO_FAULT': 'step:5:1,save:7:1,manifest:8:0'}
     log = torchrun(2, f'--out_dir={out_dir}', *RUN, restarts=3, env=env)
     resumed = [line.split()[2] for line in log.splitlines() if line.startswith('resuming from')]
     assert resumed == [ckpt(out_dir, 4), ckpt(out_dir, 6), ckpt(out_dir, 7)]  # never the half-written 7 or 8
     assert log.count(f'saving checkpoint {ckpt(out_dir, 7)} ') == 2 and log.count(f'saving checkpoint {ckpt(out_dir, 8)} ') == 2
-    assert sorted(os.listdir(out_dir)) == [f'ckpt-{i:08d}' for i in range(6, 11)]  # no .tmp left, 5 kept
+    assert sorted(os.listdir(out_dir)) == ['.lock'] + [f'ckpt-{i:08d}' for i in range(6, 11)]  # no .tmp left, 5 kept
     straight, straight_log = straight_run()
     last_eval = [next(line for line in text.splitlines() if line.startswith('step 10:')) for text in (log, straight_log)]
     assert last_eval[0] == last_eval[1]
@@ -516,6 +519,25 @@ def test_sample_py_prints_text_from_a_consolidated_file_and_from_a_checkpoint_di
         assert text.startswith('ROMEO:') and len(text.split('---------------')[0]) > len('ROMEO:') + 20
     assert outs[0][0].split('\n', 1)[1] == outs[1][0].split('\n', 1)[1]  # the same fp32 weights, the same sample
 
+
+@pytest.mark.parametrize('args, message', [
+    (['--temperature=0'], "--temperature=0.0: use a value > 0"), (['--top_k=0'], "--top_k=0: use at least 1"),
+    (['--num_samples=0'], "--num_samples=0: use at least 1"), (['--start='], "--start is empty"),
+    (['--start=FILE:/no/such/file'], "--start=FILE:/no/such/file: No such file or directory")])
+def test_sample_py_refuses_settings_that_cannot_sample_in_one_line(capsys, args, message):
+    # before: a RuntimeError or IndexError from deep in generate (temperature 0, top_k 0, an empty start), or an empty
+    # run that said nothing (num_samples 0)
+    with pytest.raises(SystemExit) as e:
+        sample.main([f'--out_dir={straight_run()[0]}', '--device=cpu', *args])
+    last = capsys.readouterr().err.splitlines()[-1]  # argparse's usage, then this
+    assert e.value.code == 2 and f".py: error: {message}" in last, last
+
+
+def test_sample_py_given_one_ranks_shard_file_says_what_it_takes():
+    shard = os.path.join(ckpt(straight_run()[0], 10), 'rank00000.pt')
+    with pytest.raises(SystemExit, match=f"cannot sample from {shard}: not a consolidated model: give its ckpt-N "
+                                         "directory or out_dir"):
+        sample.main([f'--ckpt={shard}', '--device=cpu'])
 
 def test_sample_decodes_characters_and_gpt2_tokens():
     encode, decode = sample.tokenizer({'config': {'dataset': 'shakespeare_char'}})
@@ -574,16 +596,26 @@ def broken(tmp_path, how):
         text = open(os.path.join(newest, 'manifest.json')).read().replace('"format": 1,', '"format": 99,')
         open(os.path.join(newest, 'manifest.json'), 'w').write(text)
         return out_dir, f"{newest}/manifest.json: format version 99, this nanozero reads 1"
+    if how in ('a list manifest', 'no layout'):  # before: AttributeError / KeyError tracebacks
+        manifest = json.load(open(os.path.join(newest, 'manifest.json')))
+        json.dump([manifest] if how == 'a list manifest' else {k: v for k, v in manifest.items() if k != 'layout'},
+                  open(os.path.join(newest, 'manifest.json'), 'w'))
+        return out_dir, f"{newest}/manifest.json: " + ("a JSON list, not a manifest nanozero wrote" if how == 'a list manifest'
+                                                       else "no layout: not a manifest nanozero wrote")
+    if how == 'nothing left to train':  # resumed with max_iters=10: before, it evaluated once and ended, saying nothing
+        return out_dir, f"{newest} is at iteration 10 and max_iters=10: nothing is left to train; raise max_iters"
     return out_dir, f"{newest}/manifest.json was saved by another model: n_layer=2 (the config says 3)"
 
 
-ERRORS = ['another model', 'missing shard', 'truncated shard', 'unknown format']
+ERRORS = ['another model', 'missing shard', 'truncated shard', 'unknown format', 'a list manifest', 'no layout',
+          'nothing left to train']
 
 
 @pytest.mark.parametrize('how', ERRORS)
 def test_bad_checkpoint_is_an_error_naming_the_file_and_the_problem(tmp_path, how):
     out_dir, message = broken(tmp_path, how)
-    cfg = {**CFG, 'out_dir': out_dir, 'init_from': 'resume', 'n_layer': 3 if how == 'another model' else 2}
+    cfg = {**CFG, 'out_dir': out_dir, 'init_from': 'resume', 'n_layer': 3 if how == 'another model' else 2,
+           'max_iters': 10 if how == 'nothing left to train' else 1000}
     with pytest.raises(ValueError) as e:
         checkpoint.find_resume(cfg, train.model_args(cfg, 128))
     assert message in str(e.value)
@@ -593,7 +625,8 @@ def test_train_py_reports_a_bad_checkpoint_in_one_line_and_exits_1(tmp_path):
     runs = []
     for how in ERRORS:
         out_dir, message = broken(tmp_path / how.replace(' ', '_'), how)
-        args = [f'--out_dir={out_dir}', '--init_from=resume'] + (['--n_layer=3'] if how == 'another model' else [])
+        args = [f'--out_dir={out_dir}', '--init_from=resume', '--max_iters=10' if how == 'nothing left to train' else
+                '--max_iters=1000'] + (['--n_layer=3'] if how == 'another model' else [])
         runs.append((message, subprocess.Popen([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *SMALL, *args],
                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
     for message, r in runs:
@@ -601,6 +634,53 @@ def test_train_py_reports_a_bad_checkpoint_in_one_line_and_exits_1(tmp_path):
         assert r.returncode == 1 and stdout == '', stderr
         assert stderr.count('\n') == 1 and stderr.startswith('config error: ') and message in stderr, stderr
 
+
+def test_a_second_run_on_an_out_dir_in_use_stops_in_one_line_and_the_first_keeps_it(tmp_path):
+    """[Note: one run an out_dir] (checkpoint.claim): two runs sharing an out_dir deleted each other's .tmp mid-save
+    (one died at its save) and pruned each other's checkpoints. The first run's rank 0 holds the lock until its
+    process ends; the second stops before its process group starts."""
+    out_dir = str(tmp_path / 'shared')
+    first = checkpoint.claim(out_dir)  # this process stands in for a run in progress
+    r = subprocess.run([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *SMALL, f'--out_dir={out_dir}'],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stdout == '', r.stderr
+    assert r.stderr == (f"config error: out_dir {out_dir} is in use by another training run (pid {os.getpid()} on "
+                        f"{socket.gethostname()}): give this run its own out_dir, or wait for that one to end\n")
+    first.close()  # the run ended (or crashed): the out_dir is free again
+    checkpoint.claim(out_dir).close()
+    for bad in (tmp_path / 'a_file', ''):  # before, found at the first save, after the training
+        (tmp_path / 'a_file').touch()
+        with pytest.raises(ValueError, match=f"out_dir='{bad}' is not a directory this run can write to"):
+            checkpoint.claim(str(bad))
+
+
+def test_a_resumed_run_says_what_it_converts_and_which_batches_change():
+    """checkpoint.resume_notes, printed by load: a changed storage precision is converted (the values exact where the
+    new form holds every bit, else rounded once; test_precision.py resumes every mode at its own precision), and a
+    changed seed, dataset, batch_size or gradient_accumulation_steps draws other batches than the saved run."""
+    manifest = checkpoint.read_manifest(ckpt(straight_run()[0], 10))
+    same = train.zero_config(manifest['config'])
+    assert checkpoint.resume_notes(manifest, same, manifest['config']) == []
+    other = train.zero_config({**manifest['config'], 'state_dtype': 'int8', 'dtype': 'bfloat16'})
+    assert checkpoint.resume_notes(manifest, other, {**manifest['config'], 'seed': 7, 'batch_size': 3}) == [
+        "note: stored as Precision(master_weights='fp32', state_dtype='float32', stochastic_rounding=False) with "
+        "float32 params; now Precision(master_weights='fp32', state_dtype='int8', stochastic_rounding=False) with "
+        "bfloat16 params: converted",
+        "note: seed 1337 -> 7, batch_size 2 -> 3: the batches from here on are not those the saved run would have drawn"]
+
+def test_with_dropout_a_resumed_run_draws_the_masks_the_straight_run_drew(tmp_path):
+    """torch's generator is seeded from (seed, iteration, rank) at each step (train.train_batches), so with dropout a
+    resumed run goes on as the straight run did. Before, each process drew masks of its own: no two runs matched
+    (iteration 3 of a resumed run: loss 4.8442 against 4.8433)."""
+    def losses(out_dir, *more):
+        out = subprocess.run([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *SMALL, '--dropout=0.2',
+                              '--zero_stage=2', '--max_iters=4', '--eval_interval=2', '--always_save_checkpoint=True',
+                              '--log_interval=1', f'--out_dir={out_dir}', *more], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return re.findall(r'(iter [34]: loss [\d.]+), .*(norm [\d.]+)', out.stdout)
+    straight = losses(tmp_path / 'straight')
+    shutil.copytree(ckpt(tmp_path / 'straight', 2), ckpt(tmp_path / 'resumed', 2))
+    assert len(straight) == 2 and losses(tmp_path / 'resumed', '--init_from=resume') == straight
 
 def test_a_run_from_scratch_refuses_an_out_dir_with_checkpoints():
     cfg = {**CFG, 'out_dir': straight_run()[0], 'init_from': 'scratch'}

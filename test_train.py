@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 import bench_train
 import bench_zero
+import comm
 import train
 from test_zero import ON_CPU
 
@@ -32,6 +34,12 @@ def test_config_file_and_override_are_applied_and_type_checked(tmp_path):
     assert (cfg['n_layer'], cfg['learning_rate'], cfg['dataset'], cfg['bias'], cfg['grad_clip']) == (3, 1e-3, 'foo', True, 2.0)
     with pytest.raises(ValueError, match='n_layer takes an int'):
         train.parse_config(['--n_layer=2.5'])
+    # a config file's values too (before, compile = 'no' compiled, max_iters = 2.5 ran 3 iterations)
+    for line, message in (("compile = 'no'", f"compile = 'no' in {cfg_file}: compile takes True or False"),
+                          ("max_iters = 2.5", "max_iters takes an int"), ("zero_stage = 'Auto'", "an int or 'auto'")):
+        cfg_file.write_text(line + "\n")
+        with pytest.raises(ValueError, match=re.escape(message)):
+            train.parse_config([str(cfg_file)])
 
 
 def test_unknown_config_key_is_an_error_naming_the_closest_keys(tmp_path):
@@ -49,18 +57,36 @@ def test_unknown_config_key_is_an_error_naming_the_closest_keys(tmp_path):
     ('--zero_stage=4', 'zero_stage=4 is not a ZeRO stage'), ('--bucket_mb=0.0', 'bucket_mb=0.0 must be > 0'),
     ('--prefetch=-1', 'prefetch=-1'), ('--blocks_per_unit=0', 'blocks_per_unit=0 must be >= 1'),
     ('--gradient_accumulation_steps=3', 'divisible by the 2 ranks'),
-    ('--keep_last=0', 'keep_last=0: keep at least 1 checkpoint')])
-def test_impossible_settings_are_clear_errors(override, message):
-    cfg = train.parse_config([override])
+    ('--keep_last=0', 'keep_last=0: use at least 1'), ('--batch_size=0', 'batch_size=0: use at least 1'),
+    ('--eval_interval=0', 'eval_interval=0: use at least 1'), ('--dropout=1.5', r'dropout=1.5: use a value in \[0, 1\)'),
+    ('--beta2=1.0', r'beta2=1.0: use a value in \[0, 1\)'), ('--learning_rate=-1', 'learning_rate=-1.0: use 0 or more'),
+    ('--n_head=5', 'n_embd=768 is not a multiple of n_head=5'), ('--optimizer_impl=fast', "optimizer_impl='fast': use one of"),
+    ('--backend=mpi', "backend='mpi': use one of ''"), ('--device=mps', "device='mps': use 'cpu' \\(gloo\\)"),
+    ('--device=cuda', r"device='cuda': .*torch.cuda.is_available\(\) is False here"),
+    ('--backend=nccl', "device='cpu', backend=nccl: use 'cpu'")])
+def test_impossible_settings_are_clear_errors(monkeypatch, override, message):
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)  # --device=cuda: on a CPU-only machine
+    cfg = train.parse_config(['--device=cpu', override])
     with pytest.raises(ValueError, match=message):
         train.check_config(cfg, world_size=2)
+
+
+def test_help_prints_how_to_run_and_where_the_keys_are():
+    out = subprocess.run([sys.executable, 'train.py', '--help'], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith('Train a GPT') and 'torchrun' in out.stdout, out.stderr
+
+
+def test_the_lr_schedule_takes_warmup_ending_where_the_decay_ends():
+    # warmup_iters == lr_decay_iters divided 0 by 0 after the warmup (ZeroDivisionError at that iteration)
+    cfg = {**train.DEFAULTS, 'warmup_iters': 10, 'lr_decay_iters': 10}
+    assert [train.get_lr(it, cfg) for it in (9, 10, 11)] == [cfg['learning_rate'] * 10 / 11, cfg['min_lr'], cfg['min_lr']]
 
 
 @pytest.mark.parametrize('device, local_rank, expected, backend', [
     ('cuda', '3', 'cuda:3', 'nccl'), ('cuda:0', '5', 'cuda:5', 'nccl'), ('cpu', '3', 'cpu', 'gloo')])
 def test_each_rank_takes_the_gpu_of_its_local_rank_and_hands_it_to_nccl(monkeypatch, device, local_rank, expected,
                                                                        backend):
-    # train.setup_distributed on a GPU machine, its CUDA calls stood in for: rank 11 of 16 on a node's GPU LOCAL_RANK
+    # comm.start_process_group on a GPU machine, its CUDA calls stood in for: rank 11 of 16 on a node's GPU LOCAL_RANK
     # (whatever index the config names), set as the current device before NCCL starts, and given to NCCL as its
     # device_id (the eager init that binds its communicator to that GPU); on the CPU, gloo and no device_id.
     calls = {}
@@ -70,12 +96,26 @@ def test_each_rank_takes_the_gpu_of_its_local_rank_and_hands_it_to_nccl(monkeypa
     monkeypatch.setattr(train.dist, 'get_world_size', lambda: 16)
     for key, value in dict(RANK='11', WORLD_SIZE='16', LOCAL_RANK=local_rank).items():
         monkeypatch.setenv(key, value)
-    got, rank, world = train.setup_distributed({'device': device, 'backend': ''})
+    got, rank, world = comm.start_process_group(device, '')
     assert (str(got), rank, world) == (expected, 11, 16)
     assert calls.get('set_device') == (got if backend == 'nccl' else None)
     init = calls['init']
     assert (init['backend'], init['device_id'], init['rank'], init['world_size']) == (
         backend, got if backend == 'nccl' else None, 11, 16)
+
+
+def test_a_rendezvous_still_waiting_says_so_once_and_a_quick_one_says_nothing(monkeypatch, capsys):
+    # RANK and WORLD_SIZE set by hand, no other rank started: before, train.py printed nothing and waited for good
+    monkeypatch.setattr(comm.dist, 'init_process_group', lambda **kw: time.sleep(kw['world_size'] * 0.1))
+    monkeypatch.setattr(comm.dist, 'get_rank', lambda: 0)
+    monkeypatch.setattr(comm.dist, 'get_world_size', lambda: 1)
+    for key, value in dict(RANK='0', LOCAL_RANK='0', MASTER_ADDR='10.0.0.7', MASTER_PORT='29777').items():
+        monkeypatch.setenv(key, value)
+    for world_size, quiet_for in (('1', 5.0), ('4', 0.1)):  # the init takes 0.1 s, then 0.4 s
+        monkeypatch.setenv('WORLD_SIZE', world_size)
+        comm.start_process_group('cpu', '', quiet_for=quiet_for)
+    assert capsys.readouterr().err == ("rank 0: still waiting for the other 3 rank(s) at 10.0.0.7:29777 after 0.1 s: "
+                                       "are they started, with the same WORLD_SIZE and MASTER_ADDR:MASTER_PORT?\n")
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr():

@@ -467,7 +467,7 @@ test_zero.make_engine('fsdp2', model, grad_clip=0.05)
 test_zero.check_on_cpu('fsdp2', model)
 for cmd in (test_train.torchrun_cmd(2), test_checkpoint.torchrun_cmd(2)):
     cfg = train.parse_config(cmd[cmd.index('train.py') + 1:])
-    backend = cfg['backend'] or ('nccl' if cfg['device'] == 'cuda' else 'gloo')  # train.setup_distributed's rule
+    backend = cfg['backend'] or ('nccl' if cfg['device'] == 'cuda' else 'gloo')  # comm.start_process_group's rule
     assert (cfg['device'], backend) == ('cpu', 'gloo'), (cmd, cfg['device'], backend)
 comm.end_process_group(torch.device('cpu'))
 print('stayed on cpu')

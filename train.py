@@ -92,6 +92,10 @@ seed = 1337
 # -----------------------------------------------------------------------------
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
 ALSO = {'zero_stage': ('auto',)}  # values allowed besides the default's type
+AT_LEAST_1 = ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'gradient_accumulation_steps', 'eval_iters',
+              'eval_interval', 'log_interval', 'keep_last')
+AT_LEAST_0 = ('max_iters', 'warmup_iters', 'lr_decay_iters', 'learning_rate', 'min_lr', 'weight_decay', 'grad_clip',
+              'memory_gb', 'seed')
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PREPARED_ON_FIRST_USE = ('shakespeare', 'shakespeare_char')  # data/<name>/prepare.py, run by rank 0
 
@@ -118,7 +122,7 @@ def parse_config(argv, defaults=DEFAULTS):
             for key, value in namespace.items():
                 if not key.startswith('_') and not callable(value) and not isinstance(value, type(sys)):
                     check_key(key, arg)
-                    config[key] = value
+                    config[key] = typed(key, value, f"{key} = {value!r} in {arg}")
             continue
         key, sep, value = arg[2:].partition('=')
         if not sep:
@@ -128,14 +132,20 @@ def parse_config(argv, defaults=DEFAULTS):
             value = ast.literal_eval(value)
         except (SyntaxError, ValueError):
             pass  # a bare string, e.g. --dataset=shakespeare
-        expected = type(defaults[key])
-        if expected is float and type(value) is int:
-            value = float(value)
-        if type(value) is not expected and value not in ALSO.get(key, ()):
-            name = {'int': 'an int', 'float': 'a float', 'bool': 'True or False', 'str': 'a string'}[expected.__name__]
-            raise ValueError(f"--{key}={value!r}: {key} takes {name} (default {defaults[key]!r})")
-        config[key] = value
+        config[key] = typed(key, value, f"--{key}={value!r}")
     return config
+
+
+def typed(key, value, where, defaults=DEFAULTS):
+    """value, if it has the type of key's default (an int where a float is expected becomes one), else ValueError."""
+    expected = type(defaults[key])
+    if expected is float and type(value) is int:
+        value = float(value)
+    if type(value) is not expected and value not in ALSO.get(key, ()):
+        name = {'int': 'an int', 'float': 'a float', 'bool': 'True or False', 'str': 'a string'}[expected.__name__]
+        also = ''.join(f" or {v!r}" for v in ALSO.get(key, ()))
+        raise ValueError(f"{where}: {key} takes {name}{also} (default {defaults[key]!r})")
+    return value
 
 # -----------------------------------------------------------------------------
 # data, learning rate, one training step, evaluation
@@ -178,7 +188,9 @@ def draw(data, key, count, cfg):
 def train_batches(data, iteration, cfg, rank, world_size, device):
     """This rank's micro-batches of `iteration`. The global batch (gradient_accumulation_steps micro-batches)
     depends on (seed, iteration) alone; rank r takes its contiguous share. So 1, 2 or 4 ranks train on the
-    same global batches, and a resumed run sees exactly those the uninterrupted run would have seen."""
+    same global batches, and a resumed run sees exactly those the uninterrupted run would have seen. torch's
+    generator is seeded from (seed, iteration, rank) too: dropout's masks are those of the uninterrupted run."""
+    torch.manual_seed(int(np.random.SeedSequence([cfg['seed'], 2, iteration, rank]).generate_state(1)[0]))
     every = draw(data, [cfg['seed'], 0, iteration], cfg['gradient_accumulation_steps'], cfg)
     local = len(every) // world_size
     return [windows(data, rows, cfg['block_size'], device) for rows in every[rank * local:(rank + 1) * local]]
@@ -190,7 +202,7 @@ def get_lr(it, cfg):
         return cfg['learning_rate']
     if it < cfg['warmup_iters']:
         return cfg['learning_rate'] * (it + 1) / (cfg['warmup_iters'] + 1)
-    if it > cfg['lr_decay_iters']:
+    if it >= cfg['lr_decay_iters']:  # (at lr_decay_iters, min_lr either way; with warmup_iters there too, no 0 / 0)
         return cfg['min_lr']
     ratio = (it - cfg['warmup_iters']) / (cfg['lr_decay_iters'] - cfg['warmup_iters'])
     coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
@@ -243,46 +255,27 @@ def prepare_data(cfg, rank):
     dist.barrier()
 
 
-def setup_distributed(cfg):
-    """Under torchrun: one process per rank, its device, its backend. Without torchrun: world size 1
-    (a 1-rank gloo/nccl process group, so every stage runs the same code)."""
-    if 'RANK' not in os.environ:
-        os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1',
-                          MASTER_PORT=str(29500 + os.getpid() % 1000))
-    local_rank = int(os.environ['LOCAL_RANK'])
-    device = torch.device(cfg['device'])
-    if device.type == 'cuda':
-        device = torch.device('cuda', local_rank)
-        torch.cuda.set_device(device)
-    backend = cfg['backend'] or ('nccl' if device.type == 'cuda' else 'gloo')
-    dist.init_process_group(backend=backend, device_id=device if backend == 'nccl' else None, store=restart_store(),
-                            rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']))
-    return device, dist.get_rank(), dist.get_world_size()
-
-
-def restart_store():
-    """After torchrun restarts the workers (--max-restarts), they rendezvous in torchrun's own TCP store again,
-    which still holds the dead attempt's keys (the ranks' addresses): gloo then connects to dead processes
-    (pytorch/pytorch#135712). A key prefix per attempt keeps each attempt to itself. None: the default store."""
-    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
-    if attempt == '0' or os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
-        return None
-    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), int(os.environ['WORLD_SIZE']),
-                          is_master=False)
-    return dist.PrefixStore(f'nanozero/attempt{attempt}', store)
-
-
 def check_config(cfg, world_size):
     """Every mistake that can be found before the process group starts, as one ValueError with the fix."""
     if cfg['gradient_accumulation_steps'] % world_size:
         raise ValueError(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} is the global count of "
                          f"micro-steps and must be divisible by the {world_size} ranks")
-    if cfg['keep_last'] < 1:
-        raise ValueError(f"keep_last={cfg['keep_last']}: keep at least 1 checkpoint")
+    problems = [f"{k}={cfg[k]}: use at least 1" for k in AT_LEAST_1 if cfg[k] < 1]
+    problems += [f"{k}={cfg[k]}: use a value in [0, 1)" for k in ('dropout', 'beta1', 'beta2') if not 0 <= cfg[k] < 1]
+    problems += [f"{k}={cfg[k]}: use 0 or more" for k in AT_LEAST_0 if cfg[k] < 0]
+    if cfg['n_embd'] % max(cfg['n_head'], 1):
+        problems.append(f"n_embd={cfg['n_embd']} is not a multiple of n_head={cfg['n_head']}: a head takes n_embd / n_head")
     for key, allowed in (('dtype', ('float32', 'bfloat16', 'float16')), ('reduce_dtype', ('float32', 'bfloat16')),
-                         ('init_from', ('scratch', 'resume'))):
+                         ('init_from', ('scratch', 'resume')), ('backend', ('', 'gloo', 'nccl')),
+                         ('optimizer_impl', ('auto', 'reference', 'cpu', 'cuda'))):
         if cfg[key] not in allowed:
-            raise ValueError(f"{key}={cfg[key]!r}: use one of {', '.join(map(repr, allowed))}")
+            problems.append(f"{key}={cfg[key]!r}: use one of {', '.join(map(repr, allowed))}")
+    device, gpu = cfg['device'].split(':')[0], torch.cuda.is_available()
+    if device not in ('cpu', 'cuda') or (device == 'cuda' and not gpu) or (cfg['backend'], device) == ('nccl', 'cpu'):
+        problems.append(f"device={cfg['device']!r}{', backend=nccl' * (cfg['backend'] == 'nccl')}: use 'cpu' (gloo), "
+                        f"or 'cuda' (nccl) where torch sees a GPU (torch.cuda.is_available() is {gpu} here)")
+    if problems:
+        raise ValueError(problems[0])
     found = all(os.path.exists(os.path.join(data_dir(cfg), f'{s}.bin')) for s in ('train', 'val'))
     if not found and cfg['dataset'] not in PREPARED_ON_FIRST_USE:
         raise ValueError(f"dataset={cfg['dataset']!r}: {os.path.relpath(data_dir(cfg))}/train.bin and val.bin not found; prepare them "
@@ -339,7 +332,7 @@ def compile_model(model, engine):
 
 
 def main(cfg):
-    device, rank, world_size = setup_distributed(cfg)
+    device, rank, world_size = comm.start_process_group(cfg['device'], cfg['backend'])
     master_process = rank == 0
     log = print if master_process else (lambda *a, **k: None)
     prepare_data(cfg, rank)
@@ -359,7 +352,7 @@ def main(cfg):
     model, engine = build(cfg, device, args)
     iter_num, best_val_loss, skipped = 0, 1e9, 0
     if resume:
-        iter_num, best_val_loss = checkpoint.load(engine, *resume, log=log)
+        iter_num, best_val_loss = checkpoint.load(engine, *resume, log=log, cfg=cfg)
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
     optimizer = 'torch AdamW' if cfg['zero_stage'] == 0 else f'kernels.adamw_step, impl={impl}, {engine.cfg.precision}'
     log(f"world size {world_size} ({dist.get_backend()}), device {device}, dtype {cfg['dtype']}, "
@@ -445,9 +438,13 @@ def profiler_step(profiler, cfg, log):
 
 
 if __name__ == '__main__':
+    if {'-h', '--help'} & set(sys.argv[1:]):  # the keys and their defaults: the top of this file
+        print(__doc__.strip())
+        sys.exit(0)
     try:
         config = parse_config(sys.argv[1:])
         check_config(config, int(os.environ.get('WORLD_SIZE', 1)))
+        lock = checkpoint.claim(config['out_dir']) if os.environ.get('RANK', '0') == '0' else None  # held to the end
         if os.path.exists(os.path.join(data_dir(config), 'meta.json')):  # else the vocab is known after preparing it
             checkpoint.find_resume(config, model_args(config, vocab_size(config)))  # a bad checkpoint: one line too
     except ValueError as e:  # one line, once (torchrun starts every rank with the same mistake), exit code 1

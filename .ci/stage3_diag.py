@@ -93,7 +93,7 @@ def main():
         model.LOSS_CHUNK = a.loss_chunk
     overrides = (TINY if a.tiny else []) + [f'compile={bool(a.compile)}', f'gradient_accumulation_steps={a.micro}'] + a.set
     cfg = train.parse_config(['config/zero3.py'] + [f'--{kv}' for kv in overrides])
-    device, rank, world = train.setup_distributed(cfg)
+    device, rank, world = comm.start_process_group(cfg['device'], cfg['backend'])
     train.check_config(cfg, world)
     train.prepare_data(cfg, rank)
     data = train.load_split(train.data_dir(cfg), 'train')
