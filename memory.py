@@ -329,9 +329,18 @@ def main(argv):
     args = parser.parse_args(argv)
     if (args.params is None) == (args.config is None):
         parser.error("give exactly one of --params and --config")
-    cfg = train.parse_config(([args.config] if args.config else []) + [f'--{kv}' for kv in args.set],
-                             defaults={**train.DEFAULTS, 'dtype': 'bfloat16'})  # the GPU default
-    zcfg = train.zero_config(cfg) if cfg['zero_stage'] != 'auto' else train.zero_config({**cfg, 'zero_stage': 1})
+    wrong = [f"--{k}={getattr(args, k)}: use a number above 0" for k in ('world', 'params', 'gpu_gb', 'k')
+             if getattr(args, k) is not None and getattr(args, k) <= 0]
+    if wrong:
+        parser.error(wrong[0])
+    try:  # a bad config or --set: one line, as train.py says it
+        cfg = train.parse_config(([args.config] if args.config else []) + [f'--{kv}' for kv in args.set],
+                                 defaults={**train.DEFAULTS, 'dtype': 'bfloat16'})  # the GPU default
+        zcfg = train.zero_config({**cfg, 'zero_stage': 1 if cfg['zero_stage'] == 'auto' else cfg['zero_stage']})
+        if cfg['n_embd'] % cfg['n_head']:
+            raise ValueError(f"n_embd={cfg['n_embd']} is not a multiple of n_head={cfg['n_head']}")
+    except ValueError as e:
+        parser.error(str(e))
     accum = max(1, cfg['gradient_accumulation_steps'] // args.world)
     psi, act, block, root = args.params, None, 0, 0
     if args.config:

@@ -74,6 +74,15 @@ def test_estimate_prints_the_paper_tables_exactly(psi, world):
     assert [row[5] for row in out] == sent(1)  # 2Ψ, 2Ψ, 2Ψ, 3Ψ
 
 
+@pytest.mark.parametrize('args, message', [
+    (['--params', '70e9', '--world', '0'], "--world=0: use a number above 0"),  # was a ZeroDivisionError
+    (['--params', '-5', '--world', '8'], "--params=-5.0: use a number above 0"),  # was a table of negative GB
+    (['--params', '70e9', '--world', '8', '--set', 'zero_stage=5'], "zero_stage=5 is not a ZeRO stage"),
+    (['--config', 'config/zero3.py', '--world', '8', '--set', 'n_head=7'], "n_embd=768 is not a multiple of n_head=7")])
+def test_estimate_refuses_what_it_cannot_estimate_in_one_line(args, message):
+    out = subprocess.run([sys.executable, 'zero.py', 'estimate', *args], capture_output=True, text=True, timeout=120, env=QUIET)
+    assert out.returncode == 2 and out.stderr.splitlines()[-1].startswith(f"python zero.py estimate: error: {message}"), out.stderr
+
 def test_estimate_communication_with_accumulation_is_a_plus_1_psi_for_stage_2_and_3a_psi_for_stage_3():
     a = 4  # 32 micro-steps over 8 ranks
     out = paper_rows(estimate('--params', '13e9', '--world', '8', '--set', f'gradient_accumulation_steps={8 * a}'))

@@ -59,7 +59,7 @@ def test_unknown_config_key_is_an_error_naming_the_closest_keys(tmp_path):
     ('--gradient_accumulation_steps=3', 'divisible by the 2 ranks'),
     ('--keep_last=0', 'keep_last=0: use at least 1'), ('--batch_size=0', 'batch_size=0: use at least 1'),
     ('--eval_interval=0', 'eval_interval=0: use at least 1'), ('--dropout=1.5', r'dropout=1.5: use a value in \[0, 1\)'),
-    ('--beta2=1.0', r'beta2=1.0: use a value in \[0, 1\)'), ('--learning_rate=-1', 'learning_rate=-1.0: use 0 or more'),
+    ('--beta2=1.0', r'beta2=1.0: use a value in \[0, 1\)'), ('--learning_rate=-1', 'learning_rate=-1.0: use at least 0'),
     ('--n_head=5', 'n_embd=768 is not a multiple of n_head=5'), ('--optimizer_impl=fast', "optimizer_impl='fast': use one of"),
     ('--backend=mpi', "backend='mpi': use one of ''"), ('--device=mps', "device='mps': use 'cpu' \\(gloo\\)"),
     ('--device=cuda', r"device='cuda': .*torch.cuda.is_available\(\) is False here"),
@@ -70,6 +70,12 @@ def test_impossible_settings_are_clear_errors(monkeypatch, override, message):
     with pytest.raises(ValueError, match=message):
         train.check_config(cfg, world_size=2)
 
+
+def test_a_setting_the_stage_never_reads_is_named_in_a_warning():
+    # before, --reduce_dtype=bfloat16 at stage 0 (torch DDP reduces in fp32) or --prefetch=2 at stage 2 did nothing
+    cfg = train.parse_config(['--device=cpu', '--zero_stage=0', '--reduce_dtype=bfloat16', '--prefetch=2'])
+    assert train.check_config(cfg, 1).warnings() == ["reduce_dtype, prefetch set, but zero_stage=0 never reads them"]
+    assert train.check_config({**cfg, 'zero_stage': 3}, 1).warnings() == []
 
 def test_help_prints_how_to_run_and_where_the_keys_are():
     out = subprocess.run([sys.executable, 'train.py', '--help'], capture_output=True, text=True, timeout=60)

@@ -115,7 +115,8 @@ def parse_config(argv, defaults=DEFAULTS):
         if not arg.startswith('--'):
             if not os.path.isfile(arg):
                 configs = ' '.join(sorted(os.path.relpath(p) for p in glob.glob(os.path.join(ROOT, 'config', '*.py'))))
-                raise ValueError(f"config file {arg} not found; the configs are: {configs}")
+                raise ValueError(f"config file {arg} not found{f' (a key is set as --{arg})' * ('=' in arg)}; the configs "
+                                 f"are: {configs}")
             namespace = {}
             with open(arg) as f:
                 exec(f.read(), namespace)
@@ -143,8 +144,8 @@ def typed(key, value, where, defaults=DEFAULTS):
         value = float(value)
     if type(value) is not expected and value not in ALSO.get(key, ()):
         name = {'int': 'an int', 'float': 'a float', 'bool': 'True or False', 'str': 'a string'}[expected.__name__]
-        also = ''.join(f" or {v!r}" for v in ALSO.get(key, ()))
-        raise ValueError(f"{where}: {key} takes {name}{also} (default {defaults[key]!r})")
+        raise ValueError(f"{where}: {key} takes {name}{''.join(f' or {v!r}' for v in ALSO.get(key, ()))} "
+                         f"(default {defaults[key]!r})")
     return value
 
 # -----------------------------------------------------------------------------
@@ -260,9 +261,8 @@ def check_config(cfg, world_size):
     if cfg['gradient_accumulation_steps'] % world_size:
         raise ValueError(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} is the global count of "
                          f"micro-steps and must be divisible by the {world_size} ranks")
-    problems = [f"{k}={cfg[k]}: use at least 1" for k in AT_LEAST_1 if cfg[k] < 1]
+    problems = [f"{k}={cfg[k]}: use at least {n}" for n, keys in ((1, AT_LEAST_1), (0, AT_LEAST_0)) for k in keys if cfg[k] < n]
     problems += [f"{k}={cfg[k]}: use a value in [0, 1)" for k in ('dropout', 'beta1', 'beta2') if not 0 <= cfg[k] < 1]
-    problems += [f"{k}={cfg[k]}: use 0 or more" for k in AT_LEAST_0 if cfg[k] < 0]
     if cfg['n_embd'] % max(cfg['n_head'], 1):
         problems.append(f"n_embd={cfg['n_embd']} is not a multiple of n_head={cfg['n_head']}: a head takes n_embd / n_head")
     for key, allowed in (('dtype', ('float32', 'bfloat16', 'float16')), ('reduce_dtype', ('float32', 'bfloat16')),
@@ -281,6 +281,9 @@ def check_config(cfg, world_size):
         raise ValueError(f"dataset={cfg['dataset']!r}: {os.path.relpath(data_dir(cfg))}/train.bin and val.bin not found; prepare them "
                          f"with python data/shakespeare/prepare.py --input=YOUR.txt --out_dir=data/{cfg['dataset']} "
                          f"(GPT-2 tokens) or data/shakespeare_char/prepare.py (characters)")
+    tokens = found and min(os.path.getsize(os.path.join(data_dir(cfg), f'{s}.bin')) // 2 for s in ('train', 'val'))
+    if found and tokens <= cfg['block_size']:  # a window and its next token must fit (uint16 tokens)
+        raise ValueError(f"block_size={cfg['block_size']}, but a split of {cfg['dataset']} has {tokens} tokens: use less")
     return zero_config({**cfg, 'zero_stage': 1 if cfg['zero_stage'] == 'auto' else cfg['zero_stage']})
 
 
@@ -360,8 +363,7 @@ def main(cfg):
         f"{cfg['batch_size']} batch * {cfg['block_size']} tokens")
     log(f"params: {model.get_num_params() / 1e6:.2f}M, optimizer: {optimizer}")
     log(memory.startup_table(engine, world_size))
-    warning = engine.cfg.precision.warning()
-    if warning:
+    for warning in engine.cfg.warnings():
         log(f"warning: {warning}")
     if cfg['compile']:
         log("compiling with torch.compile: the first iterations include the compilation")
@@ -438,9 +440,8 @@ def profiler_step(profiler, cfg, log):
 
 
 if __name__ == '__main__':
-    if {'-h', '--help'} & set(sys.argv[1:]):  # the keys and their defaults: the top of this file
-        print(__doc__.strip())
-        sys.exit(0)
+    if {'-h', '--help'} & set(sys.argv[1:]):  # how to run (the keys and their defaults: the top of this file)
+        sys.exit(print(__doc__.strip()))
     try:
         config = parse_config(sys.argv[1:])
         check_config(config, int(os.environ.get('WORLD_SIZE', 1)))

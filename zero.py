@@ -138,6 +138,14 @@ class ZeroConfig:
                              "stores: use zero_stage=1, 2 or 3 (stage 0 is torch's AdamW on fp32 params)")
         self.precision.check(self.param_dtype)
 
+    def warnings(self):
+        """What a user should hear before training: the precision's risk, and settings this stage never reads."""
+        unread = {0: ('bucket_mb', 'reduce_dtype', 'optimizer_impl')}.get(self.stage, ()) + (
+            ('prefetch', 'reshard_after_forward', 'blocks_per_unit') if self.stage < 3 else ())
+        unread = [k for k in unread if getattr(self, k) != getattr(ZeroConfig, k)]
+        return [w for w in [self.precision.warning()] if w] + [
+            f"{', '.join(unread)} set, but zero_stage={self.stage} never reads {'them' if len(unread) > 1 else 'it'}"] * bool(unread)
+
 
 class DataParallel:
     """Stage 0: torch DDP all-reduces full grads (2Ψ sent), torch AdamW steps full fp32 params on every
