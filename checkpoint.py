@@ -31,6 +31,7 @@ stores it in its own precision. No conversion step for the user.
 Ranks and barriers are the engine's process group's (engine.comm), not necessarily the whole job's.
 """
 import argparse
+import errno
 import fcntl
 import glob
 import json
@@ -241,7 +242,11 @@ def claim(out_dir):
         raise ValueError(f"out_dir={out_dir!r} is not a directory this run can write to ({e.strerror})") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # a filesystem without locks (NFS without lockd, ...)
+            print(f"warning: out_dir {out_dir} cannot be locked here ({e.strerror}): nothing keeps a second run out of it",
+                  file=sys.stderr)
+            return lock
         lock.seek(0)
         holder = lock.read().strip() or 'another process'
         lock.close()

@@ -170,7 +170,8 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
         f"{os.environ.get('MASTER_PORT')} after {quiet_for:g} s: are they started, with the same WORLD_SIZE and "
         "MASTER_ADDR:MASTER_PORT?", file=sys.stderr, flush=True))
     note.daemon = True
-    note.start()
+    if os.environ.get('LOCAL_RANK', '0') == '0':  # one line a machine, not one a GPU
+        note.start()
     try:
         dist.init_process_group(backend=backend, device_id=device if backend == 'nccl' else None,
                                 store=restart_store(), rank=rank, world_size=world_size)

@@ -78,7 +78,8 @@ def test_estimate_prints_the_paper_tables_exactly(psi, world):
     (['--params', '70e9', '--world', '0'], "--world=0: use a number above 0"),  # was a ZeroDivisionError
     (['--params', '-5', '--world', '8'], "--params=-5.0: use a number above 0"),  # was a table of negative GB
     (['--params', '70e9', '--world', '8', '--set', 'zero_stage=5'], "zero_stage=5 is not a ZeRO stage"),
-    (['--config', 'config/zero3.py', '--world', '8', '--set', 'n_head=7'], "n_embd=768 is not a multiple of n_head=7")])
+    (['--config', 'config/zero3.py', '--world', '8', '--set', 'n_head=7'], "n_embd=768 is not a multiple of n_head=7"),
+    (['--params', '1e9', '--world', '8', '--set', 'n_head=0'], "n_embd=768 is not a multiple of n_head=0")])
 def test_estimate_refuses_what_it_cannot_estimate_in_one_line(args, message):
     out = subprocess.run([sys.executable, 'zero.py', 'estimate', *args], capture_output=True, text=True, timeout=120, env=QUIET)
     assert out.returncode == 2 and out.stderr.splitlines()[-1].startswith(f"python zero.py estimate: error: {message}"), out.stderr

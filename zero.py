@@ -140,7 +140,7 @@ class ZeroConfig:
 
     def warnings(self):
         """What a user should hear before training: the precision's risk, and settings this stage never reads."""
-        unread = {0: ('bucket_mb', 'reduce_dtype', 'optimizer_impl')}.get(self.stage, ()) + (
+        unread = {0: ('reduce_dtype', 'optimizer_impl')}.get(self.stage, ()) + (  # (DDP has buckets of its own)
             ('prefetch', 'reshard_after_forward', 'blocks_per_unit') if self.stage < 3 else ())
         unread = [k for k in unread if getattr(self, k) != getattr(ZeroConfig, k)]
         return [w for w in [self.precision.warning()] if w] + [
