@@ -123,7 +123,7 @@ def parse_config(argv, defaults=DEFAULTS):
             for key, value in namespace.items():
                 if not key.startswith('_') and not callable(value) and not isinstance(value, type(sys)):
                     check_key(key, arg)
-                    config[key] = typed(key, value, f"{key} = {value!r} in {arg}")
+                    config[key] = typed(key, value, f"{key} = {value!r} in {arg}", defaults)
             continue
         key, sep, value = arg[2:].partition('=')
         if not sep:
@@ -133,7 +133,7 @@ def parse_config(argv, defaults=DEFAULTS):
             value = ast.literal_eval(value)
         except (SyntaxError, ValueError):
             pass  # a bare string, e.g. --dataset=shakespeare
-        config[key] = typed(key, value, f"--{key}={value!r}")
+        config[key] = typed(key, value, f"--{key}={value!r}", defaults)
     return config
 
 
