@@ -213,6 +213,19 @@ def lowest_stage_that_fits(model, zcfg, world, tokens, limit_bytes, checkpointin
     return stage, line, hint
 
 
+def choose_stage(cfg, zcfg, device, world_size, model_args):
+    """train.py's zero_stage='auto': (the lowest stage that fits in the least memory of any rank, the reasoning), for
+    train.py's config cfg, zcfg its ZeroConfig; ValueError with the fix if none fits."""
+    with torch.device('meta'):
+        gpt = model.GPT(model.GPTConfig(**model_args))
+    stage, line, hint = lowest_stage_that_fits(gpt, zcfg, world_size, cfg['batch_size'] * cfg['block_size'],
+                                               device_memory_bytes(device, cfg['memory_gb']), cfg['activation_checkpointing'])
+    if stage is None:
+        raise ValueError(f"{line}: use {hint}more ranks, a smaller batch_size or block_size"
+                         + ", or set memory_gb" * (device.type == 'cpu'))  # a GPU's limit is its free memory
+    return stage, line
+
+
 def device_memory_bytes(device, memory_gb=0.0):
     """What one rank may use: on a GPU what torch.cuda.mem_get_info reports free; on a CPU memory_gb if set,
     else the machine's RAM divided among the ranks on this machine. In a process group, the least of any rank's:

@@ -178,13 +178,18 @@ def auto_config(memory_gb):
     return cfg, {**train.model_args(cfg, 256), 'vocab_size': 256}
 
 
+def choose(cfg, device, world_size, args):
+    """memory.choose_stage as train.py calls it for zero_stage='auto'."""
+    return memory.choose_stage(cfg, train.zero_config({**cfg, 'zero_stage': 1}), device, world_size, args)
+
+
 @pytest.mark.parametrize('expected', [0, 1, 2, 3])
 def test_auto_picks_the_lowest_stage_that_fits_in_90_percent_of_the_memory(expected):
     need = hand_estimates(world=8)
     assert need[0] > need[1] > need[2] > need[3]  # 14.0, 8.6, 7.2, 5.3 MB: each limit lets one more stage in
     budget = (need[expected] + need[expected - 1]) / 2 if expected else 2 * need[0]  # between two stages' needs
     cfg, args = auto_config(memory_gb=budget / 0.9 / 1e9)
-    stage, line = train.choose_stage(cfg, torch.device('cpu'), 8, args)
+    stage, line = choose(cfg, torch.device('cpu'), 8, args)
     assert stage == expected, line
     assert f"-> stage {expected}, the lowest that fits" in line
     for s, bytes_needed in need.items():
@@ -200,10 +205,10 @@ def test_auto_says_when_activation_checkpointing_is_what_makes_a_stage_fit():
                                        memory.activations(4, 128, 256, 64 * 16, 4, ck), *units) for ck in (False, True)}
     assert need[True][0] < min(need[False].values())  # with it stage 0 fits a limit that no stage fits without it
     cfg['memory_gb'] = (need[True][0] + min(need[False].values())) / 2 / 0.9 / 1e9
-    stage, line = train.choose_stage(cfg, torch.device('cpu'), 8, args)
+    stage, line = choose(cfg, torch.device('cpu'), 8, args)
     assert stage == 0 and line.endswith("activation_checkpointing=True is what makes stage 0 fit (without it: none)"), line
     with pytest.raises(ValueError, match=r"use activation_checkpointing=True \(then stage 0 fits\)"):
-        train.choose_stage({**cfg, 'activation_checkpointing': False}, torch.device('cpu'), 8, args)
+        choose({**cfg, 'activation_checkpointing': False}, torch.device('cpu'), 8, args)
 
 
 @pytest.mark.parametrize('reshard', [True, False])
@@ -238,11 +243,11 @@ def test_blocks_per_unit_moves_only_stage_3s_estimate_and_by_its_larger_units():
 def test_auto_never_picks_stage_0_with_a_precision_mode_that_torch_adamw_cannot_honour():
     cfg = train.parse_config(['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=16', '--batch_size=1',
                               '--dtype=bfloat16', '--master_weights=remainder', '--zero_stage=auto', '--memory_gb=1000'])
-    stage, line = train.choose_stage(cfg, torch.device('cpu'), 8, {**train.model_args(cfg, 256), 'vocab_size': 256})
+    stage, line = choose(cfg, torch.device('cpu'), 8, {**train.model_args(cfg, 256), 'vocab_size': 256})
     assert stage == 1 and 'stage 0' not in line, line  # everything fits; with the default precision: stage 0
     default = train.parse_config(['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=16', '--batch_size=1',
                                   '--dtype=bfloat16', '--zero_stage=auto', '--memory_gb=1000'])
-    assert train.choose_stage(default, torch.device('cpu'), 8, {**train.model_args(default, 256), 'vocab_size': 256})[0] == 0
+    assert choose(default, torch.device('cpu'), 8, {**train.model_args(default, 256), 'vocab_size': 256})[0] == 0
     out = subprocess.run([sys.executable, 'zero.py', 'estimate', '--config', 'config/shakespeare_char.py', '--world', '2',
                           '--gpu_gb', '80', '--set', 'dtype=bfloat16', '--set', 'master_weights=remainder'],
                          capture_output=True, text=True, timeout=120)
@@ -253,11 +258,17 @@ def test_auto_when_nothing_fits_is_a_clear_error(monkeypatch):
     cfg, args = auto_config(memory_gb=0.5 * hand_estimates(world=8)[3] / 1e9)
     with pytest.raises(ValueError, match=r"-> none fits: use more ranks, a smaller batch_size or block_size, or set "
                                          r"memory_gb$"):
-        train.choose_stage(cfg, torch.device('cpu'), 8, args)
+        choose(cfg, torch.device('cpu'), 8, args)
     # on a GPU the limit is its free memory (mem_get_info, stood in for): memory_gb would change nothing, so not named
     monkeypatch.setattr(torch.cuda, 'mem_get_info', lambda device=None: (0.5 * hand_estimates(world=8)[3], 80e9))
     with pytest.raises(ValueError, match=r"-> none fits: use more ranks, a smaller batch_size or block_size$"):
-        train.choose_stage(cfg, torch.device('cuda', 0), 8, args)
+        choose(cfg, torch.device('cuda', 0), 8, args)
+    # in train.py, every rank knows at once (the least memory of any rank): one line, exit code 1, no traceback
+    out = subprocess.run([sys.executable, 'train.py', 'config/shakespeare_char.py', '--device=cpu', '--dtype=float32',
+                          '--zero_stage=auto', '--memory_gb=0.000001', '--n_layer=1', '--n_head=2', '--n_embd=32',
+                          '--block_size=16', '--batch_size=2'], capture_output=True, text=True, timeout=120, env=QUIET)
+    assert out.returncode == 1 and out.stderr.count('\n') == 1 and out.stderr.startswith('config error: ') and (
+        'none fits: use more ranks, a smaller batch_size or block_size, or set memory_gb' in out.stderr), out.stderr
 
 
 def _auto_with_unequal_memory(rank, init, out):
@@ -265,7 +276,7 @@ def _auto_with_unequal_memory(rank, init, out):
     need = hand_estimates(world=2)
     free = [2 * need[0], (need[1] + need[2]) / 2][rank] / 0.9  # rank 0 alone would pick stage 0, rank 1 stage 2
     cfg, args = auto_config(memory_gb=free / 1e9)  # as mem_get_info on two GPUs of one job
-    torch.save(train.choose_stage(cfg, torch.device('cpu'), 2, args), os.path.join(out, f'rank{rank}.pt'))
+    torch.save(choose(cfg, torch.device('cpu'), 2, args), os.path.join(out, f'rank{rank}.pt'))
     comm.end_process_group(torch.device('cpu'))  # [Note: the end of a run]: a gloo worker may still hold the MIN's tensor
 
 

@@ -63,7 +63,8 @@ def test_unknown_config_key_is_an_error_naming_the_closest_keys(tmp_path):
     ('--n_head=5', 'n_embd=768 is not a multiple of n_head=5'), ('--optimizer_impl=fast', "optimizer_impl='fast': use one of"),
     ('--backend=mpi', "backend='mpi': use one of ''"), ('--device=mps', "device='mps': use 'cpu' \\(gloo\\)"),
     ('--device=cuda', r"device='cuda': .*torch.cuda.is_available\(\) is False here"),
-    ('--backend=nccl', "device='cpu', backend=nccl: use 'cpu'")])
+    ('--backend=nccl', "device='cpu', backend=nccl: use 'cpu'"),
+    ('--optimizer_impl=cuda', "optimizer_impl='cuda' steps shards on the CUDA, and device='cpu': use 'auto'")])
 def test_impossible_settings_are_clear_errors(monkeypatch, override, message):
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)  # --device=cuda: on a CPU-only machine
     cfg = train.parse_config(['--device=cpu', override])

@@ -274,6 +274,9 @@ def check_config(cfg, world_size):
     if device not in ('cpu', 'cuda') or (device == 'cuda' and not gpu) or (cfg['backend'], device) == ('nccl', 'cpu'):
         problems.append(f"device={cfg['device']!r}{', backend=nccl' * (cfg['backend'] == 'nccl')}: use 'cpu' (gloo), "
                         f"or 'cuda' (nccl) where torch sees a GPU (torch.cuda.is_available() is {gpu} here)")
+    if cfg['optimizer_impl'] in ('cpu', 'cuda') and cfg['optimizer_impl'] != device:
+        problems.append(f"optimizer_impl={cfg['optimizer_impl']!r} steps shards on the {cfg['optimizer_impl'].upper()}, and "
+                        f"device={cfg['device']!r}: use 'auto' (the device's kernel)")
     if problems:
         raise ValueError(problems[0])
     found = all(os.path.exists(os.path.join(data_dir(cfg), f'{s}.bin')) for s in ('train', 'val'))
@@ -292,19 +295,6 @@ def zero_config(cfg):
     precision = kernels.Precision(cfg['master_weights'], cfg['state_dtype'], cfg['stochastic_rounding'])
     return ZeroConfig(**{**same, 'stage': cfg['zero_stage'], 'param_dtype': getattr(torch, cfg['dtype']),
                          'reduce_dtype': getattr(torch, cfg['reduce_dtype']), 'precision': precision})
-
-
-def choose_stage(cfg, device, world_size, args):
-    """zero_stage='auto': the lowest stage that fits (memory.py) in the least memory of any rank (device_memory_bytes)."""
-    with torch.device('meta'):
-        model = GPT(GPTConfig(**args))
-    stage, line, hint = memory.lowest_stage_that_fits(
-        model, zero_config({**cfg, 'zero_stage': 1}), world_size, cfg['batch_size'] * cfg['block_size'],
-        memory.device_memory_bytes(device, cfg['memory_gb']), cfg['activation_checkpointing'])
-    if stage is None:
-        raise ValueError(f"{line}: use {hint}more ranks, a smaller batch_size or block_size"
-                         + ", or set memory_gb" * (device.type == 'cpu'))  # a GPU's limit is its free memory
-    return stage, line
 
 
 def build(cfg, device, args):
@@ -341,8 +331,11 @@ def main(cfg):
     prepare_data(cfg, rank)
     args = model_args(cfg, vocab_size(cfg))
     resume = checkpoint.find_resume(cfg, args)  # None, or (path, manifest): errors before any training step
-    if cfg['zero_stage'] == 'auto':
-        cfg['zero_stage'], line = choose_stage(cfg, device, world_size, args)
+    if cfg['zero_stage'] == 'auto':  # the lowest stage that fits in the least memory of any rank (memory.py)
+        try:
+            cfg['zero_stage'], line = memory.choose_stage(cfg, zero_config({**cfg, 'zero_stage': 1}), device, world_size, args)
+        except ValueError as e:  # none fits, on every rank at once: one line, as a config error
+            sys.exit(f"config error: {e}" if master_process else 1)
         log(line)
     accum = cfg['gradient_accumulation_steps'] // world_size
     tokens_per_iter = accum * world_size * cfg['batch_size'] * cfg['block_size']
