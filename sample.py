@@ -72,6 +72,8 @@ def main(argv=None):
     wrong = [f"--{k}={getattr(args, k)}: use at least 1" for k in ('num_samples', 'max_new_tokens', 'top_k') if getattr(args, k) < 1]
     wrong += [f"--temperature={args.temperature}: use a value > 0 (--top_k=1 decodes greedily)"] * (args.temperature <= 0)
     wrong += ["--start is empty: give at least one character (the default is a newline)"] * (args.start in ('', 'FILE:'))
+    wrong += [f"--device={args.device}: torch sees no GPU here, use --device=cpu"] * (
+        args.device.startswith('cuda') and not torch.cuda.is_available())
     if wrong:
         parser.error(wrong[0])
     path = args.ckpt or args.out_dir

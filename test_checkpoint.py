@@ -547,8 +547,10 @@ def test_sample_py_prints_text_from_a_consolidated_file_and_from_a_checkpoint_di
 @pytest.mark.parametrize('args, message', [
     (['--temperature=0'], "--temperature=0.0: use a value > 0"), (['--top_k=0'], "--top_k=0: use at least 1"),
     (['--num_samples=0'], "--num_samples=0: use at least 1"), (['--start='], "--start is empty"),
-    (['--start=FILE:/no/such/file'], "--start=FILE:/no/such/file: No such file or directory")])
-def test_sample_py_refuses_settings_that_cannot_sample_in_one_line(capsys, args, message):
+    (['--start=FILE:/no/such/file'], "--start=FILE:/no/such/file: No such file or directory"),
+    (['--device=cuda'], "--device=cuda: torch sees no GPU here, use --device=cpu")])
+def test_sample_py_refuses_settings_that_cannot_sample_in_one_line(capsys, monkeypatch, args, message):
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)  # --device=cuda: on a machine without a GPU
     # before: a RuntimeError or IndexError from deep in generate (temperature 0, top_k 0, an empty start), or an empty
     # run that said nothing (num_samples 0)
     with pytest.raises(SystemExit) as e:
