@@ -37,6 +37,7 @@ import argparse
 import functools
 import os
 import subprocess
+import sys
 import time
 
 import torch
@@ -77,9 +78,15 @@ def time_ms(fns, device, repeats=10, warmup=3):
 
 
 def parse_size(s):
-    """'16M' -> 16 * 2**20, '4K' -> 4096, '1000' -> 1000."""
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1].upper(), 1)
-    return int(float(s[:-1] if scale > 1 else s) * scale)
+    """'16M' -> 16 * 2**20, '4K' -> 4096, '1000' -> 1000; ValueError for anything else, or below 1."""
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1:].upper(), 1)
+    try:
+        n = int(float(s[:-1] if scale > 1 else s) * scale)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"--sizes: {s!r} is not a shard size: give elements, e.g. 1000, 4K, 16M")
+    return n
 
 # ----------------------------------------------------------------------------
 # mode: kernels
@@ -296,4 +303,9 @@ if __name__ == "__main__":
     bench_scale.add_arguments(parser)
     bench_train.add_arguments(parser)
     args = parser.parse_args()
-    MODES[args.mode](args)
+    try:
+        MODES[args.mode](args)
+    except ValueError as e:  # a setting the bench cannot run (each checks its settings first): one line, once
+        if os.environ.get("RANK", "0") == "0":
+            print(f"bench.py {args.mode}: {e}", file=sys.stderr)
+        sys.exit(2)

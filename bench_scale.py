@@ -248,6 +248,8 @@ def parse_speedup(spec):
 
 
 def scale_config(args):
+    if args.world < 1:  # before, -4 printed four tracebacks and a table of kinds that "did not run", and exit code 0
+        raise ValueError(f"--world {args.world}: give the number of ranks to be rank 0 of, at least 1")
     cfg = train.parse_config([args.config] + [f'--{kv}' for kv in args.set])
     micro = max(1, cfg['gradient_accumulation_steps'] // args.world)  # micro-steps per rank
     cfg['gradient_accumulation_steps'] = micro * args.world

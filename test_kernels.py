@@ -1301,6 +1301,17 @@ def test_bench_kernels_prints_a_row_per_size(grad_dtype):
     assert [row[0] for row in rows] == ["1,000", "4,096"] and all(len(row) == 9 for row in rows)
 
 
+@pytest.mark.parametrize("args, line", [
+    (["kernels", "--device", "cpu", "--sizes", "4K,0"], "bench.py kernels: --sizes: '0' is not a shard size: give "
+                                                        "elements, e.g. 1000, 4K, 16M"),  # was a ZeroDivisionError
+    (["scale", "--world", "-4"], "bench.py scale: --world -4: give the number of ranks to be rank 0 of, at least 1"),
+    (["scale", "--world", "8", "--set", "n_layerz=2"], "bench.py scale: unknown config key 'n_layerz' in --n_layerz=2; "
+                                                       "did you mean n_layer?")])
+def test_bench_py_says_what_it_cannot_run_in_one_line(args, line):
+    # before: a traceback each (--world -4: four, then a table of kinds that did not run, and exit code 0)
+    out = subprocess.run([sys.executable, "bench.py", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr == line + "\n", out.stderr[-2000:]
+
 def test_the_references_code_maps_are_copied_to_a_device_once():
     # kernels._maps_on: on a GPU each copy from pageable host memory is a host sync (test_gpu.py counts none)
     kernels._maps_on.cache_clear()

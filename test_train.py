@@ -72,11 +72,17 @@ def test_impossible_settings_are_clear_errors(monkeypatch, override, message):
         train.check_config(cfg, world_size=2)
 
 
-def test_a_setting_the_stage_never_reads_is_named_in_a_warning():
+def test_a_setting_the_stage_never_reads_is_named_in_a_warning(tmp_path):
     # before, --reduce_dtype=bfloat16 at stage 0 (torch DDP reduces in fp32) or --prefetch=2 at stage 2 did nothing
     cfg = train.parse_config(['--device=cpu', '--zero_stage=0', '--reduce_dtype=bfloat16', '--prefetch=2'])
     assert train.check_config(cfg, 1).warnings() == ["reduce_dtype, prefetch set, but zero_stage=0 never reads them"]
     assert train.check_config({**cfg, 'zero_stage': 3}, 1).warnings() == []
+    out = subprocess.run([sys.executable, 'train.py', 'config/shakespeare_char.py', '--device=cpu', '--dtype=float32',
+                          '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2',
+                          '--eval_iters=1', '--max_iters=0', '--memory_gb=5', f'--out_dir={tmp_path}'],
+                         capture_output=True, text=True, timeout=120)  # max_iters=0: one eval, then the end
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "warning: memory_gb=5.0 set, but only zero_stage='auto' reads it" in out.stdout.splitlines(), out.stdout
 
 def test_help_prints_how_to_run_and_where_the_keys_are():
     out = subprocess.run([sys.executable, 'train.py', '--help'], capture_output=True, text=True, timeout=60)

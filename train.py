@@ -337,6 +337,8 @@ def main(cfg):
         except ValueError as e:  # none fits, on every rank at once: one line, as a config error
             sys.exit(f"config error: {e}" if master_process else 1)
         log(line)
+    elif cfg['memory_gb']:
+        log(f"warning: memory_gb={cfg['memory_gb']} set, but only zero_stage='auto' reads it")
     accum = cfg['gradient_accumulation_steps'] // world_size
     tokens_per_iter = accum * world_size * cfg['batch_size'] * cfg['block_size']
     data = {split: load_split(data_dir(cfg), split) for split in ('train', 'val')}
