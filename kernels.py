@@ -430,31 +430,23 @@ def _run(*command):
     return subprocess.run(command, capture_output=True, text=True).stdout.strip()
 
 
-# TORCH_CUDA_ARCH_LIST's names for arch lists, as torch's extension builder expands them (torch.utils.cpp_extension)
+# TORCH_CUDA_ARCH_LIST's names, expanded as torch's extension builder expands them (torch.utils.cpp_extension)
 NAMED_ARCHS = {"Kepler+Tesla": "3.7", "Kepler": "3.5+PTX", "Maxwell+Tegra": "5.3", "Maxwell": "5.0 5.2+PTX",
-               "Pascal": "6.0 6.1+PTX", "Volta+Tegra": "7.2", "Volta": "7.0+PTX", "Turing": "7.5+PTX",
-               "Ampere+Tegra": "8.7", "Ampere": "8.0 8.6+PTX", "Ada": "8.9+PTX", "Hopper": "9.0+PTX",
-               "Blackwell+Tegra": "11.0", "Blackwell": "10.0 10.3 12.0 12.1+PTX"}
-
-
-def _arch_list():
-    """TORCH_CUDA_ARCH_LIST as archs ("8.0", "9.0a", "8.6+PTX"): names expanded, "native" (or unset) empty, anything
-    else a RuntimeError that says what the variable takes (the build then falls back, with that line as its warning)."""
-    archs = []
-    for entry in os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").replace(",", " ").split():
-        for arch in NAMED_ARCHS.get(entry, "" if entry == "native" else entry).split():
-            if not re.fullmatch(r"\d+\.\d+a?(\+PTX)?", arch):
-                raise RuntimeError(f"TORCH_CUDA_ARCH_LIST has {entry!r}, not a CUDA arch: write e.g. 9.0, 9.0a, "
-                                   "8.6+PTX, a name such as Hopper, or native")
-            archs.append(arch)
-    return archs
+               "Pascal": "6.0 6.1+PTX", "Volta+Tegra": "7.2", "Volta": "7.0+PTX", "Turing": "7.5+PTX", "Ampere+Tegra": "8.7",
+               "Ampere": "8.0 8.6+PTX", "Ada": "8.9+PTX", "Hopper": "9.0+PTX", "Blackwell+Tegra": "11.0",
+               "Blackwell": "10.0 10.3 12.0 12.1+PTX"}
 
 
 def _cuda_arch_flags():
     """-gencode flags for TORCH_CUDA_ARCH_LIST (e.g. "8.0;9.0+PTX"), and for this GPU (sm_90 on H100/H200) if nothing in
     the list runs on it: a list set in a container for other GPUs would build a library with no kernel this one can
     run, found only at the first step."""
-    archs = _arch_list()
+    entries = os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").replace(",", " ").split()
+    archs = [arch for e in entries for arch in NAMED_ARCHS.get(e, "" if e == "native" else e).split()]  # native: none
+    for arch in archs:  # a RuntimeError: the build falls back, with this line as its warning
+        if not re.fullmatch(r"\d+\.\d+a?(\+PTX)?", arch):
+            raise RuntimeError(f"TORCH_CUDA_ARCH_LIST has {arch!r}, not a CUDA arch: write e.g. 9.0, 9.0a, 8.6+PTX, "
+                               "a name such as Hopper, or native")
     if torch.cuda.is_available() and not any(_runs_on(arch, torch.cuda.get_device_capability()) for arch in archs):
         archs.append("%d.%d" % torch.cuda.get_device_capability())
     if not archs:
