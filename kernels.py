@@ -432,9 +432,9 @@ def _run(*command):
 
 # TORCH_CUDA_ARCH_LIST's names, expanded as torch's extension builder expands them (torch.utils.cpp_extension)
 NAMED_ARCHS = {"Kepler+Tesla": "3.7", "Kepler": "3.5+PTX", "Maxwell+Tegra": "5.3", "Maxwell": "5.0 5.2+PTX",
-               "Pascal": "6.0 6.1+PTX", "Volta+Tegra": "7.2", "Volta": "7.0+PTX", "Turing": "7.5+PTX", "Ampere+Tegra": "8.7",
-               "Ampere": "8.0 8.6+PTX", "Ada": "8.9+PTX", "Hopper": "9.0+PTX", "Blackwell+Tegra": "11.0",
-               "Blackwell": "10.0 10.3 12.0 12.1+PTX"}
+               "Pascal": "6.0 6.1+PTX", "Volta+Tegra": "7.2", "Volta": "7.0+PTX", "Turing": "7.5+PTX",
+               "Ampere+Tegra": "8.7", "Ampere": "8.0 8.6+PTX", "Ada": "8.9+PTX", "Hopper": "9.0+PTX",
+               "Blackwell+Tegra": "11.0", "Blackwell": "10.0 10.3 12.0 12.1+PTX"}
 
 
 def _cuda_arch_flags():
