@@ -12,10 +12,11 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import model
 from kernels import Precision
-from test_zero import ON_CPU, assert_same_run, run_ranks, tiny_model
+from test_zero import ON_CPU, TorchEngine, assert_same_run, run_ranks, tiny_model
 
 BF16 = dict(param_dtype=torch.bfloat16, accum=4, steps=8)
 MODES = {'remainder': Precision('remainder'), 'none': Precision('none'), 'bf16 state': Precision(state_dtype='bfloat16'),
@@ -154,13 +155,51 @@ def test_fp16_loss_scaling_matches_bf16_free_training_within_fp16_noise():
     torch.testing.assert_close(torch.tensor(fp16['losses']), torch.tensor(fp32['losses']), rtol=2e-3, atol=0)
 
 
+class Bf16ReduceEngine(TorchEngine):
+    """The oracle for reduce_dtype=bfloat16: each grad element rounded to bf16 and averaged over the ranks in bf16,
+    then torch's clip and AdamW in fp32. accumulate='bf16' (stage 1's full flat grad): a step's micro-steps summed
+    into a bf16 grad, reduced once; 'fp32' (stages 2 and 3): each micro-step reduced, the results summed in fp32."""
+
+    def __init__(self, accumulate, model, grad_clip):
+        super().__init__(model, model, grad_clip)
+        self.accumulate, self.sync, self.grads = accumulate, True, None
+
+    def set_grad_sync(self, sync):
+        self.sync = sync
+
+    def backward(self, loss):
+        for p in self.params:
+            p.grad = None
+        loss.backward()
+        new = [self.average(p.grad) if self.accumulate == 'fp32' else p.grad for p in self.params]
+        if self.grads is None and self.accumulate == 'bf16':
+            new = [g.to(torch.bfloat16) for g in new]
+        self.grads = new if self.grads is None else [a.add_(g) for a, g in zip(self.grads, new)]  # bf16 += fp32: rounds
+        if self.sync and self.accumulate == 'bf16':
+            self.grads = [self.average(g) for g in self.grads]
+        if self.sync:
+            for p, g in zip(self.params, self.grads):
+                p.grad = g.float()
+
+    @staticmethod
+    def average(grad):
+        summed = grad.to(torch.bfloat16)
+        dist.all_reduce(summed)  # two bf16 values, their sum rounded once; the halving is exact
+        return summed.float() / dist.get_world_size()
+
+    def step(self, lr):
+        self.grads = None
+        return super().step(lr)
+
+
+SUM_IN = {dtype: functools.partial(Bf16ReduceEngine, dtype) for dtype in ('bf16', 'fp32')}  # (picklable, for spawn)
 JOBS['bf16 reductions'] = [dict(kind=kind, accum=accum, **extra) for accum in (2, 4) for kind, extra in (
-    ('ddp', {}), ('bf16_reduce_bf16', {}), ('bf16_reduce_fp32', {}),
+    ('ddp', {}), ('oracle', {'engine': SUM_IN['bf16']}), ('oracle', {'engine': SUM_IN['fp32']}),
     *((f'zero{s}', {'reduce_dtype': torch.bfloat16}) for s in (1, 2, 3)))]
 
 
 def test_bf16_reductions_round_each_grad_once_and_average_the_ranks_in_bf16():
-    """reduce_dtype=bfloat16, against test_zero.Bf16ReduceEngine (torch's clip and AdamW on grads reduced as
+    """reduce_dtype=bfloat16, against Bf16ReduceEngine (torch's clip and AdamW on grads reduced as
     described there), at one and at two micro-steps a rank: stage 1 sums a step's micro-steps into its bf16 flat
     grad and reduces once; stages 2 and 3 reduce each micro-step and sum in fp32. Same losses, norms within 2e-5, params
     within 2e-4: a last-bit difference in step 1 (the clip's coefficient, from the norm's summation order) can move a

@@ -98,51 +98,14 @@ class TorchEngine:
         return norm.item()
 
 
-class Bf16ReduceEngine(TorchEngine):
-    """The oracle for reduce_dtype=bfloat16: each grad element rounded to bf16 and averaged over the ranks in bf16,
-    then torch's clip and AdamW in fp32. accumulate='bf16' (stage 1's full flat grad): a step's micro-steps summed
-    into a bf16 grad, reduced once; 'fp32' (stages 2 and 3): each micro-step reduced, the results summed in fp32."""
-
-    def __init__(self, model, grad_clip, accumulate):
-        super().__init__(model, model, grad_clip)
-        self.accumulate, self.sync, self.grads = accumulate, True, None
-
-    def set_grad_sync(self, sync):
-        self.sync = sync
-
-    def backward(self, loss):
-        for p in self.params:
-            p.grad = None
-        loss.backward()
-        new = [self.average(p.grad) if self.accumulate == 'fp32' else p.grad for p in self.params]
-        if self.grads is None and self.accumulate == 'bf16':
-            new = [g.to(torch.bfloat16) for g in new]
-        self.grads = new if self.grads is None else [a.add_(g) for a, g in zip(self.grads, new)]  # bf16 += fp32: rounds
-        if self.sync and self.accumulate == 'bf16':
-            self.grads = [self.average(g) for g in self.grads]
-        if self.sync:
-            for p, g in zip(self.params, self.grads):
-                p.grad = g.float()
-
-    @staticmethod
-    def average(grad):
-        summed = grad.to(torch.bfloat16)
-        dist.all_reduce(summed)  # two bf16 values, their sum rounded once; the halving is exact
-        return summed.float() / dist.get_world_size()
-
-    def step(self, lr):
-        self.grads = None
-        return super().step(lr)
-
-
 def make_engine(kind, model, grad_clip, param_dtype=torch.float32, **zero_kw):
     if kind == 'single':
         return TorchEngine(model, model, grad_clip)
     if kind == 'ddp_unused':  # the oracle for params that get no grad
         ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         return TorchEngine(ddp, model, grad_clip)
-    if kind.startswith('bf16_reduce_'):  # bf16_reduce_bf16 (stage 1), bf16_reduce_fp32 (stages 2, 3)
-        return Bf16ReduceEngine(model, grad_clip, accumulate=kind.removeprefix('bf16_reduce_'))
+    if kind == 'oracle':  # a test's own oracle: zero_kw['engine'](model, grad_clip), e.g. test_precision's
+        return zero_kw['engine'](model, grad_clip)
     if kind == 'fsdp2':  # on a CPU mesh, named: [Note: the suite's device]
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
