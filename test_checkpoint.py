@@ -297,28 +297,32 @@ def test_resume_at_another_world_size_and_stage_stays_within_the_oracle_toleranc
                     **ORACLE)
 
 
+def saved_and_resaved(job_dir):
+    """A resave job's two checkpoints as Shards, and every stored number of every param in both, decoded to fp32:
+    [(param, population, saved, resaved)]."""
+    a, b = (checkpoint.Shards(p, checkpoint.read_manifest(p))
+            for p in (checkpoint.resolve(os.path.join(job_dir, r)) for r in ('saved', 'resaved')))
+    with torch.device('meta'):
+        model = GPT(GPTConfig(**a.manifest['model_args']))
+    return a, b, [(name, population, a.read(name, population, 0, p.numel()), b.read(name, population, 0, p.numel()))
+                  for name, p in model.named_parameters() for population in checkpoint.POPULATIONS]
+
 @pytest.mark.parametrize('name', [n for n in JOBS if ' -> ' in n and n.startswith(('stage', 'precision, stage'))])
 def test_rebuilt_shards_hold_exactly_the_saved_values(name):
     """Load at another world size, stage or bucket size and save again: every stored number of every param
     (master, exp_avg, exp_avg_sq, decoded to fp32) comes back exactly, padding and all offsets included; 8-bit
     moments within one rounding (the dynamic map has +1 but no -1: a block whose largest element is negative
     gets a new absmax)."""
-    _, d = job(name)
-    old, new = (checkpoint.resolve(os.path.join(d, r)) for r in ('saved', 'resaved'))
-    a, b = (checkpoint.Shards(p, checkpoint.read_manifest(p)) for p in (old, new))
+    a, b, values = saved_and_resaved(job(name)[1])
     assert a.manifest['layout'] != b.manifest['layout']
     if 'two blocks a unit' in name:  # the new layout's units: both blocks as one, and the root
         assert (len(a.manifest['layout']), len(b.manifest['layout'])) == (3, 2)
-    with torch.device('meta'):
-        model = GPT(GPTConfig(**a.manifest['model_args']))
     eight_bit = a.manifest['populations']['exp_avg'] == 'uint8'
-    for pname, p in model.named_parameters():
-        for population in checkpoint.POPULATIONS:
-            x, y = a.read(pname, population, 0, p.numel()), b.read(pname, population, 0, p.numel())
-            if eight_bit and population != 'master':  # requantized in the new blocks: one more 8-bit rounding
-                assert (x - y).abs().max() <= 0.02 * x.abs().max(), (pname, population)
-            else:
-                assert torch.equal(x, y), (pname, population)
+    for pname, population, x, y in values:
+        if eight_bit and population != 'master':  # requantized in the new blocks: one more 8-bit rounding
+            assert (x - y).abs().max() <= 0.02 * x.abs().max(), (pname, population)
+        else:
+            assert torch.equal(x, y), (pname, population)
     for m in (a.manifest, b.manifest):
         assert m['step_count'] == 2 and m['iter_num'] == 2
 
@@ -342,17 +346,11 @@ def test_a_changed_precision_is_converted_exact_where_the_new_form_holds_every_b
     """Saved in one storage precision, resumed in another (checkpoint.load rebuilds and stores in its own; the log
     says so: resume_notes): the fp32 master into a bf16 param + int16 remainder, and 8-bit moments into fp32, come
     back exactly; into bf16 moments or bf16 params alone, each value rounded once (to nearest-even)."""
-    _, d = job(f'convert {name}')
-    old, new = (checkpoint.resolve(os.path.join(d, r)) for r in ('saved', 'resaved'))
-    a, b = (checkpoint.Shards(p, checkpoint.read_manifest(p)) for p in (old, new))
+    a, b, values = saved_and_resaved(job(f'convert {name}')[1])
     assert a.manifest['precision'] != b.manifest['precision']
-    with torch.device('meta'):
-        model = GPT(GPTConfig(**a.manifest['model_args']))
     rounded = {'fp32 -> bf16 state': ('exp_avg', 'exp_avg_sq'), 'fp32 -> none': ('master',)}.get(name, ())
-    for pname, p in model.named_parameters():
-        for population in checkpoint.POPULATIONS:
-            x, y = a.read(pname, population, 0, p.numel()), b.read(pname, population, 0, p.numel())
-            assert torch.equal(y, x.bfloat16().float() if population in rounded else x), (pname, population)
+    for pname, population, x, y in values:
+        assert torch.equal(y, x.bfloat16().float() if population in rounded else x), (pname, population)
 
 @pytest.mark.parametrize('mode', ['remainder+int8', 'none+bf16+stochastic rounding'])
 def test_precision_modes_resume_bit_identically(mode):
