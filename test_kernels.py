@@ -730,7 +730,8 @@ def test_the_librarys_bf16_cast_is_cast_params_bit_for_bit_on_the_masters_device
             got = kernels.cast_param(view, torch.bfloat16, impl="cpu" if impl == "cuda-emulated" else impl, out=row[1])
         assert got.data_ptr() == row[1].data_ptr() and torch.equal(bits(row[1]), expected[start:stop])
         assert row[0].eq(7.0).all() and row[2].eq(7.0).all()
-    with pytest.raises(ValueError, match="out is torch.float32 x 3 on cpu, the cast torch.bfloat16 x 3 on cpu"):
+    on = master.device  # cuda:0 where the kernel runs on the GPU (the fourth GPU pass found the test naming cpu there)
+    with pytest.raises(ValueError, match=f"out is torch.float32 x 3 on {on}, the cast torch.bfloat16 x 3 on {on}"):
         kernels.cast_param(master[:3], torch.bfloat16, impl=impl.replace("cuda-emulated", "cpu"),
                            out=torch.empty(3, device=master.device))
 
