@@ -222,15 +222,16 @@ def group_blocks(blocks, per_unit):
     """[Note: blocks per unit] A unit is stage 3's grain: per micro-step one all-gather before its forward, one before
     its backward (with reshard_after_forward) and one reduce-scatter after it. Each collective costs a fixed host time
     and a link latency whatever its size (on an H200's host ~120-130 us of Python and C++ per NCCL call, for a 14 MB
-    block's all-gather as for a 25 MB reduce-scatter), and stage 3 makes ~3 a block where stage 2 makes ~1 a
-    bucket: compiled GPT-2 124M ran host-bound there (README, "Measured: speed"). The blocks must be listed in
-    forward order, and only a unit's last block may hand its output to anything but the next block (a unit's inner
-    output reaching backward would find the unit sharded); the first forward checks the order. blocks_per_unit=k
-    gathers k consecutive blocks as one unit: the same bytes in 1/k as many collectives (and casts, hooks and waits), for k
-    blocks' params unsharded at a time instead of one ((prefetch + 1) k with prefetch). k=1 is FSDP2's layout when
-    fully_shard is called per block, the oracle's; FSDP2 users group blocks by calling it on a group of them, DeepSpeed
-    sizes its prefetch by bytes (stage3_prefetch_bucket_size). The math does not change: only the grad norm's sum
-    runs in another order (per bucket, then over buckets)."""
+    block's all-gather as for a 25 MB reduce-scatter), and stage 3 makes ~3 a block where stage 2 makes ~1 a bucket:
+    compiled GPT-2 124M ran host-bound there (README, "Measured: speed"), at 1.34x DDP's step, 1.08x with 3 blocks a
+    unit (config/zero3.py's setting; one H200). The blocks must be listed in forward order, and only a unit's last block
+    may hand its output to anything but the next block (a unit's inner output reaching backward would find the unit
+    sharded); the first forward checks the order. blocks_per_unit=k gathers k consecutive blocks as one unit: the same
+    bytes in 1/k as many collectives (and casts, hooks and waits), for k blocks' params unsharded at a time instead of
+    one ((prefetch + 1) k with prefetch). k=1 is FSDP2's layout when fully_shard is called per block, the oracle's;
+    FSDP2 users group blocks by calling it on a group of them, DeepSpeed sizes its prefetch by bytes
+    (stage3_prefetch_bucket_size). The math does not change: only the grad norm's sum runs in another order (per bucket,
+    then over buckets)."""
     blocks = list(blocks)
     return [torch.nn.ModuleList(blocks[i:i + per_unit]) for i in range(0, len(blocks), per_unit)]
 
