@@ -13,9 +13,10 @@ masters (in the form its precision keeps them), exp_avg and exp_avg_sq. Stage 0 
 everything, written by rank 0 as a 1-rank layout.
 
 [Note: atomic checkpoints] Every rank writes into ckpt-N.tmp/; after a barrier rank 0 writes the manifest
-(with every file's size) and renames the directory to ckpt-N. A rename is atomic, so a crash at any
+(with every file's size and CRC-32, which each rank takes of the bytes as it writes them) and renames the directory to ckpt-N. A rename is atomic, so a crash at any
 moment leaves either no ckpt-N or a complete one; resume takes the newest directory with a manifest and
-checks every file against it. Leftover .tmp directories are removed by the next save, and only the newest
+checks every file against it: its size at once, its CRC-32 as a rank first opens it (a file changed on disk or in
+a copy, even at its size, is one line naming it, before a byte of it is used). Leftover .tmp directories are removed by the next save, and only the newest
 keep_last complete checkpoints stay (the manifest is deleted first, so a crash while pruning cannot leave a
 directory that looks complete). A restarted worker (torchrun --max-restarts=N; train.py keeps each
 attempt's rendezvous apart, see comm.restart_store) resumes from the newest one. A run from scratch
@@ -40,6 +41,7 @@ import shutil
 import signal
 import socket
 import sys
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -124,7 +126,9 @@ def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
         state = rank_state(engine)
         if rank == 0:  # frozen params are not sharded: one copy
             state['frozen'] = {n: p.detach().cpu() for n, p in engine.model.named_parameters() if not p.requires_grad}
-        write(state, os.path.join(tmp, files[rank]))
+        crc = write(state, os.path.join(tmp, files[rank]))
+        with open(os.path.join(tmp, files[rank] + '.crc32'), 'w') as f:  # for rank 0's manifest; removed there
+            f.write(str(crc))
         populations = {k: str(v.dtype)[6:] for k, v in state.items() if k != 'frozen'}
         del state  # the host copy goes before the barrier, not after the slowest rank
     fault_point('save', iter_num)
@@ -135,7 +139,11 @@ def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
                         stage=engine.stage, world_size=world_size, param_dtype=str(engine.cfg.param_dtype)[6:],
                         precision=vars(engine.cfg.precision), populations=populations, step_count=step_count(engine),
                         loss_scale=scaler_state(engine), layout=layout(engine),
-                        files={f: os.path.getsize(os.path.join(tmp, f)) for f in files})
+                        files={f: os.path.getsize(os.path.join(tmp, f)) for f in files}, crc32={})
+        for f in files:
+            with open(os.path.join(tmp, f + '.crc32')) as g:
+                manifest['crc32'][f] = int(g.read())
+            os.remove(os.path.join(tmp, f + '.crc32'))
         with open(os.path.join(tmp, 'manifest.json'), 'w') as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -150,10 +158,35 @@ def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
 
 
 def write(obj, path):
+    """torch.save to path, synced to disk; returns the CRC-32 of the bytes written (no second read)."""
     with open(path, 'wb') as f:
-        torch.save(obj, f)
+        summed = Crc32Writer(f)
+        torch.save(obj, summed)
         f.flush()
         os.fsync(f.fileno())
+    return summed.crc
+
+
+class Crc32Writer:
+    def __init__(self, f):
+        self.f, self.crc = f, 0
+
+    def write(self, data):
+        self.crc = zlib.crc32(data, self.crc)
+        return self.f.write(data)
+
+    def flush(self):
+        self.f.flush()
+
+
+def check_crc32(file, expected):
+    crc = 0
+    with open(file, 'rb') as f:
+        while chunk := f.read(64 << 20):
+            crc = zlib.crc32(chunk, crc)
+    if crc != expected:
+        raise ValueError(f"{file} does not match the CRC-32 its manifest holds: it changed after it was saved (a disk "
+                         f"or copy error); resume from an earlier checkpoint (move this ckpt-* directory aside)")
 
 
 def sync_directory(path):
@@ -221,6 +254,8 @@ def read_manifest(path):
     missing = [k for k in ('iter_num', 'files', 'layout', 'model_args', 'config', 'stage', 'world_size') if k not in manifest]
     if missing:
         raise ValueError(f"{where}: no {', '.join(missing)}: not a manifest nanozero wrote (or one edited by hand)")
+    if not isinstance(manifest['files'], dict) or not isinstance(manifest.get('crc32', {}), dict):
+        raise ValueError(f"{where}: its files or crc32 are not a mapping: not a manifest nanozero wrote")
     for name, size in manifest['files'].items():
         file = os.path.join(path, name)
         if not os.path.exists(file):
@@ -296,6 +331,9 @@ class Shards:
     def file(self, rank):
         if rank not in self.files:
             name = os.path.join(self.path, f'rank{rank:05d}.pt')
+            expected = self.manifest.get('crc32', {}).get(os.path.basename(name))  # none before checksums
+            if expected is not None:
+                check_crc32(name, expected)
             try:
                 self.files[rank] = torch.load(name, map_location='cpu', mmap=True, weights_only=True)
             except Exception as e:

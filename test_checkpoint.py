@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from unittest import mock
@@ -117,7 +118,7 @@ def run(rank, groups, job_dir, r):
 
 def write_late(write, *args):
     time.sleep(1.0)
-    write(*args)
+    return write(*args)
 
 
 def measured_save(engine, cfg, it):
@@ -392,6 +393,13 @@ def test_manifest_describes_the_layout_and_the_run():
     assert m['populations'] == {'master': 'float32', 'exp_avg': 'float32', 'exp_avg_sq': 'float32'}
     assert m['config']['dataset'] == 'shakespeare_char' and m['data_position'] == {'seed': 1337, 'next_iteration': 2}
     assert m['model_args'] == train.model_args(CFG, 128)
+    # each file's CRC-32, taken as its rank wrote it, is the file's (its sidecar for rank 0 gone)
+    path = ckpt(d + '/saved', 2)
+    assert m['crc32'] == {f: zlib.crc32(open(os.path.join(path, f), 'rb').read()) for f in m['files']}
+    assert sorted(os.listdir(path)) == ['manifest.json', 'rank00000.pt', 'rank00001.pt']
+    del m['crc32']  # a checkpoint saved before checksums: read as before
+    assert torch.equal(checkpoint.Shards(path, m).read('transformer.wte.weight', 'master', 0, 10),
+                       checkpoint.Shards(path, checkpoint.read_manifest(path)).read('transformer.wte.weight', 'master', 0, 10))
     with torch.device('meta'):
         model = GPT(GPTConfig(**m['model_args']))
     listed = {name: shape for b in m['layout'] for name, shape, _ in b['params']}
@@ -616,6 +624,13 @@ def broken(tmp_path, how):
         with open(os.path.join(newest, 'rank00000.pt'), 'r+b') as f:
             f.truncate(1000)
         return out_dir, f"{newest}/rank00000.pt is truncated or changed: 1,000 bytes, the manifest says"
+    if how == 'changed shard':  # one byte, the size kept: found by its CRC-32 as a rank opens the file
+        with open(os.path.join(newest, 'rank00000.pt'), 'r+b') as f:
+            f.seek(os.path.getsize(f.name) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+        return out_dir, f"{newest}/rank00000.pt does not match the CRC-32 its manifest holds: it changed after it was saved"
     if how == 'unknown format':
         text = open(os.path.join(newest, 'manifest.json')).read().replace('"format": 1,', '"format": 99,')
         open(os.path.join(newest, 'manifest.json'), 'w').write(text)
@@ -631,8 +646,8 @@ def broken(tmp_path, how):
     return out_dir, f"{newest}/manifest.json was saved by another model: n_layer=2 (the config says 3)"
 
 
-ERRORS = ['another model', 'missing shard', 'truncated shard', 'unknown format', 'a list manifest', 'no layout',
-          'nothing left to train']
+ERRORS = ['another model', 'missing shard', 'truncated shard', 'changed shard', 'unknown format', 'a list manifest',
+          'no layout', 'nothing left to train']
 
 
 @pytest.mark.parametrize('how', ERRORS)
@@ -641,7 +656,8 @@ def test_bad_checkpoint_is_an_error_naming_the_file_and_the_problem(tmp_path, ho
     cfg = {**CFG, 'out_dir': out_dir, 'init_from': 'resume', 'n_layer': 3 if how == 'another model' else 2,
            'max_iters': 10 if how == 'nothing left to train' else 1000}
     with pytest.raises(ValueError) as e:
-        checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+        path, manifest = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+        checkpoint.Shards(path, manifest).file(0)  # as load() opens it
     assert message in str(e.value)
 
 
@@ -651,11 +667,12 @@ def test_train_py_reports_a_bad_checkpoint_in_one_line_and_exits_1(tmp_path):
         out_dir, message = broken(tmp_path / how.replace(' ', '_'), how)
         args = [f'--out_dir={out_dir}', '--init_from=resume', '--max_iters=10' if how == 'nothing left to train' else
                 '--max_iters=1000'] + (['--n_layer=3'] if how == 'another model' else [])
-        runs.append((message, subprocess.Popen([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *SMALL, *args],
+        runs.append((how, message, subprocess.Popen([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *SMALL, *args],
                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
-    for message, r in runs:
+    for how, message, r in runs:
         stdout, stderr = r.communicate(timeout=120)
-        assert r.returncode == 1 and stdout == '', stderr
+        # every problem but a changed shard is found before the model is built; that one as the load opens the file
+        assert r.returncode == 1 and (stdout.startswith('resuming from') if how == 'changed shard' else stdout == ''), stderr
         assert stderr.count('\n') == 1 and stderr.startswith('config error: ') and message in stderr, stderr
 
 

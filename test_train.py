@@ -233,6 +233,9 @@ def test_bench_zero_runs_every_kind_from_the_same_first_step():
     assert rows == kinds
     assert re.search(r'zero3:blocks_per_unit=2 .*live at peak: .*, 1 unsharded unit \(up to 2 blocks each\) \+ the root',
                      out.stdout)
+    # MB = 1e6 bytes, as the startup table's: DDP's fp32 params are 4 bytes a param (this bench once printed MiB)
+    psi = int(re.search(r'Ψ = ([\d,]+) params', out.stdout).group(1).replace(',', ''))
+    assert float(re.search(r'\n  ddp +params ([\d.]+),', out.stdout).group(1)) == round(4 * psi / 1e6, 1)
     first = re.search(r'first step.*loss ([\d.]+) \(spread (\S+)\), grad norm ([\d.]+) \(spread (\S+)\)', out.stdout)
     loss, loss_spread, norm, norm_spread = map(float, first.groups())
     # the norms differ by ~1e-5 relative because torch's clip_grad_norm_ does: on this model (vocab 50304) it is

@@ -348,9 +348,11 @@ def main(cfg):
         kernels.announce_build(cfg['optimizer_impl'], device, log)
         impl = kernels.resolve_impl(cfg['optimizer_impl'], device)
     model, engine = build(cfg, device, args)
-    iter_num, best_val_loss, skipped = 0, 1e9, 0
-    if resume:
-        iter_num, best_val_loss = checkpoint.load(engine, *resume, log=log, cfg=cfg)
+    skipped = 0
+    try:  # a shard file changed at its size is found as a rank opens it (its CRC-32): one line from that rank
+        iter_num, best_val_loss = checkpoint.load(engine, *resume, log=log, cfg=cfg) if resume else (0, 1e9)
+    except ValueError as e:
+        sys.exit(f"config error: {e}")
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
     optimizer = 'torch AdamW' if cfg['zero_stage'] == 0 else f'kernels.adamw_step, impl={impl}, {engine.cfg.precision}'
     log(f"world size {world_size} ({dist.get_backend()}), device {device}, dtype {cfg['dtype']}, "
