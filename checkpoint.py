@@ -13,23 +13,23 @@ masters (in the form its precision keeps them), exp_avg and exp_avg_sq. Stage 0 
 everything, written by rank 0 as a 1-rank layout.
 
 [Note: atomic checkpoints] Every rank writes into ckpt-N.tmp/; after a barrier rank 0 writes the manifest
-(with every file's size and CRC-32, which each rank takes of the bytes as it writes them) and renames the directory to ckpt-N. A rename is atomic, so a crash at any
-moment leaves either no ckpt-N or a complete one; resume takes the newest directory with a manifest and
-checks every file against it: its size at once, its CRC-32 as a rank first opens it (a file changed on disk or in
-a copy, even at its size, is one line naming it, before a byte of it is used). Leftover .tmp directories are removed by the next save, and only the newest
-keep_last complete checkpoints stay (the manifest is deleted first, so a crash while pruning cannot leave a
-directory that looks complete). A restarted worker (torchrun --max-restarts=N; train.py keeps each
-attempt's rendezvous apart, see comm.restart_store) resumes from the newest one. A run from scratch
-refuses an out_dir that holds checkpoints: they belong to another run, and a restart or a keep_last cleanup
-would mix the two; and no two runs train in one out_dir at once ([Note: one run an out_dir], claim). (Several
-nodes need out_dir on a shared filesystem.)
+(with every file's size and CRC-32, which each rank takes of the bytes as it writes them) and renames the directory
+to ckpt-N. A rename is atomic, so a crash at any moment leaves either no ckpt-N or a complete one; resume takes the
+newest directory with a manifest and checks every file against it: its size at once, its CRC-32 before a byte of it
+is used (verify: a file changed on disk or in a copy, even at its size, is one line naming it). Leftover .tmp
+directories are removed by the next save, and only the newest keep_last complete checkpoints stay (the manifest is
+deleted first, so a crash while pruning cannot leave a directory that looks complete). A restarted worker (torchrun
+--max-restarts=N; train.py keeps each attempt's rendezvous apart, see comm.restart_store) resumes from the newest
+one. A run from scratch refuses an out_dir that holds checkpoints: they belong to another run, and a restart or a
+keep_last cleanup would mix the two; and no two runs train in one out_dir at once ([Note: one run an out_dir],
+claim). (Several nodes need out_dir on a shared filesystem.)
 
 [Note: resume anywhere] The manifest says where every param's elements live: bucket, offset, shard size,
-world size. A run with the same layout copies its own file back, bit for bit. Any other world size, stage
-or bucket size rebuilds its shards from the old ones: for each param piece it owns, it reads that range
-from whichever old ranks held it (memory-mapped, so only what is read is loaded), decoded to fp32, and
-stores it in its own precision. No conversion step for the user.
-Ranks and barriers are the engine's process group's (engine.comm), not necessarily the whole job's.
+world size. A run with the same layout copies its own file back, bit for bit. Any other world size, stage or bucket size
+rebuilds its shards from the old ones: for each param piece it owns, it reads that range from whichever old ranks held
+it (memory-mapped, so only what is read is loaded: past verify, which reads each file once in all), decoded to fp32, and
+stores it in its own precision. No conversion step for the user. Ranks and barriers are the engine's process group's
+(engine.comm), not necessarily the whole job's.
 """
 import argparse
 import errno
@@ -179,14 +179,6 @@ class Crc32Writer:
         self.f.flush()
 
 
-def check_crc32(file, expected):
-    crc = 0
-    with open(file, 'rb') as f:
-        while chunk := f.read(64 << 20):
-            crc = zlib.crc32(chunk, crc)
-    if crc != expected:
-        raise ValueError(f"{file} does not match the CRC-32 its manifest holds: it changed after it was saved (a disk "
-                         f"or copy error); resume from an earlier checkpoint (move this ckpt-* directory aside)")
 
 
 def sync_directory(path):
@@ -254,8 +246,10 @@ def read_manifest(path):
     missing = [k for k in ('iter_num', 'files', 'layout', 'model_args', 'config', 'stage', 'world_size') if k not in manifest]
     if missing:
         raise ValueError(f"{where}: no {', '.join(missing)}: not a manifest nanozero wrote (or one edited by hand)")
-    if not isinstance(manifest['files'], dict) or not isinstance(manifest.get('crc32', {}), dict):
-        raise ValueError(f"{where}: its files or crc32 are not a mapping: not a manifest nanozero wrote")
+    files, crc32 = manifest['files'], manifest.get('crc32', {})  # no crc32: saved before checksums
+    if not isinstance(files, dict) or not isinstance(crc32, dict) or crc32 and (
+            set(crc32) != set(files) or any(type(v) is not int for v in crc32.values())):
+        raise ValueError(f"{where}: its files and their CRC-32s do not match up: not a manifest nanozero wrote")
     for name, size in manifest['files'].items():
         file = os.path.join(path, name)
         if not os.path.exists(file):
@@ -263,6 +257,37 @@ def read_manifest(path):
         if os.path.getsize(file) != size:
             raise ValueError(f"{file} is truncated or changed: {os.path.getsize(file):,} bytes, the manifest says {size:,}")
     return manifest
+
+
+class ChangedFile(ValueError):
+    """A shard file that no longer holds what was saved; every rank of the load raises it (verify)."""
+
+
+def verify(path, manifest, comm=None):
+    """Every file's CRC-32 against the manifest's, before any of them is read. Each is read in full once in all:
+    file i by rank i mod world size; a MAX over ranks tells every rank which failed, so all stop together with the
+    same ChangedFile, none left waiting in a collective (comm: the engine's; None, one process checks them all)."""
+    names = sorted(manifest.get('crc32', {}))  # a manifest written before checksums: nothing to check
+    rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
+    if not names:
+        return
+    changed = torch.tensor([i % world == rank and crc32_of(os.path.join(path, n)) != manifest['crc32'][n]
+                            for i, n in enumerate(names)], dtype=torch.int64, device=comm.device if comm else 'cpu')
+    if comm and world > 1 and not comm.fake:
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=comm.process_group)  # start-up only: not counted
+    bad = [n for n, c in zip(names, changed.tolist()) if c]
+    if bad:
+        raise ChangedFile(f"{os.path.join(path, bad[0])} does not match the CRC-32 its manifest holds: it changed after "
+                          f"it was saved (a disk or copy error){f', as did {len(bad) - 1} more' * (len(bad) > 1)}; use "
+                          f"an earlier checkpoint (move this ckpt-* directory aside)")
+
+
+def crc32_of(file):
+    crc = 0
+    with open(file, 'rb') as f:
+        while chunk := f.read(64 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def claim(out_dir):
@@ -331,9 +356,6 @@ class Shards:
     def file(self, rank):
         if rank not in self.files:
             name = os.path.join(self.path, f'rank{rank:05d}.pt')
-            expected = self.manifest.get('crc32', {}).get(os.path.basename(name))  # none before checksums
-            if expected is not None:
-                check_crc32(name, expected)
             try:
                 self.files[rank] = torch.load(name, map_location='cpu', mmap=True, weights_only=True)
             except Exception as e:
@@ -397,6 +419,7 @@ def load(engine, path, manifest, log=print, cfg=None):
         f"rank(s){'' if same else f'; rebuilding the shards for stage {engine.stage} on {engine.comm.world_size} rank(s)'})")
     for line in resume_notes(manifest, engine.cfg, cfg):
         log(line)
+    verify(path, manifest, engine.comm)
     shards = Shards(path, manifest)
     with torch.no_grad():
         if engine.stage == 0:
@@ -470,6 +493,7 @@ def full_state_dict(path, dtype=torch.float32):
     from model import GPT, GPTConfig
     path = resolve(path)
     manifest = read_manifest(path)
+    verify(path, manifest)
     shards = Shards(path, manifest)
     with torch.device('meta'):
         model = GPT(GPTConfig(**manifest['model_args']))

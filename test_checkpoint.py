@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -397,9 +398,7 @@ def test_manifest_describes_the_layout_and_the_run():
     path = ckpt(d + '/saved', 2)
     assert m['crc32'] == {f: zlib.crc32(open(os.path.join(path, f), 'rb').read()) for f in m['files']}
     assert sorted(os.listdir(path)) == ['manifest.json', 'rank00000.pt', 'rank00001.pt']
-    del m['crc32']  # a checkpoint saved before checksums: read as before
-    assert torch.equal(checkpoint.Shards(path, m).read('transformer.wte.weight', 'master', 0, 10),
-                       checkpoint.Shards(path, checkpoint.read_manifest(path)).read('transformer.wte.weight', 'master', 0, 10))
+    checkpoint.verify(path, {'crc32': {}})  # a manifest saved before checksums: nothing to check
     with torch.device('meta'):
         model = GPT(GPTConfig(**m['model_args']))
     listed = {name: shape for b in m['layout'] for name, shape, _ in b['params']}
@@ -657,8 +656,43 @@ def test_bad_checkpoint_is_an_error_naming_the_file_and_the_problem(tmp_path, ho
            'max_iters': 10 if how == 'nothing left to train' else 1000}
     with pytest.raises(ValueError) as e:
         path, manifest = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
-        checkpoint.Shards(path, manifest).file(0)  # as load() opens it
+        checkpoint.verify(path, manifest)  # as load() does before it reads a file
     assert message in str(e.value)
+
+
+def _verify_on(rank, init_file, path, said):
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
+    read = []
+    crc32_of = checkpoint.crc32_of
+    checkpoint.crc32_of = lambda file: read.append(os.path.basename(file)) or crc32_of(file)
+    try:
+        checkpoint.verify(path, checkpoint.read_manifest(path), comm.Comm(None, torch.device('cpu')))
+    except checkpoint.ChangedFile as e:
+        json.dump([str(e), read], open(f'{said}{rank}', 'w'))
+    comm.end_process_group(torch.device('cpu'))
+
+
+def test_every_rank_stops_at_a_changed_file_that_one_rank_read_and_each_file_is_read_once(tmp_path):
+    # 2 ranks, the 2-rank checkpoint's rank00000.pt changed: rank 0 reads it, rank 1 reads only rank00001.pt and learns
+    # of it by the MAX (a rank that stopped alone would leave the other in its next collective)
+    out_dir, message = broken(tmp_path, 'changed shard')
+    mp.spawn(_verify_on, args=(str(tmp_path / 'init'), ckpt(out_dir, 10), str(tmp_path / 'said')), nprocs=2)
+    said = [json.load(open(tmp_path / f'said{r}')) for r in (0, 1)]
+    assert message in said[0][0] and said[0][0] == said[1][0]
+    assert [read for _, read in said] == [['rank00000.pt'], ['rank00001.pt']]
+
+
+def test_on_nccl_the_checks_flags_live_on_the_ranks_gpu(tmp_path, monkeypatch):
+    # NCCL takes no CPU tensor: verify's flags go to the engine's device (torch.tensor and the MAX stood in for; on the
+    # GPU machine test_gpu.py's resume runs it at world 1); rank 1 of 2 learns that rank 0 found its file changed
+    out_dir, message = broken(tmp_path, 'changed shard')
+    made, reduced, real_tensor, gpu = [], [], torch.tensor, torch.device('cuda', 1)
+    monkeypatch.setattr(torch, 'tensor', lambda data, **kw: made.append(kw) or real_tensor(data, dtype=kw['dtype']))
+    monkeypatch.setattr(dist, 'all_reduce', lambda t, op, group: reduced.append(op) or t.__setitem__(0, 1))
+    on_gpu = types.SimpleNamespace(rank=1, world_size=2, fake=False, device=gpu, process_group=None)
+    with pytest.raises(checkpoint.ChangedFile, match=re.escape(message)):
+        checkpoint.verify(ckpt(out_dir, 10), checkpoint.read_manifest(ckpt(out_dir, 10)), on_gpu)
+    assert made == [dict(dtype=torch.int64, device=gpu)] and reduced == [dist.ReduceOp.MAX]
 
 
 def test_train_py_reports_a_bad_checkpoint_in_one_line_and_exits_1(tmp_path):

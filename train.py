@@ -349,10 +349,10 @@ def main(cfg):
         impl = kernels.resolve_impl(cfg['optimizer_impl'], device)
     model, engine = build(cfg, device, args)
     skipped = 0
-    try:  # a shard file changed at its size is found as a rank opens it (its CRC-32): one line from that rank
+    try:  # a shard file changed at its size, found by its CRC-32 (checkpoint.verify): every rank stops, rank 0 says so
         iter_num, best_val_loss = checkpoint.load(engine, *resume, log=log, cfg=cfg) if resume else (0, 1e9)
-    except ValueError as e:
-        sys.exit(f"config error: {e}")
+    except checkpoint.ChangedFile as e:
+        sys.exit(f"config error: {e}" if master_process else 1)
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
     optimizer = 'torch AdamW' if cfg['zero_stage'] == 0 else f'kernels.adamw_step, impl={impl}, {engine.cfg.precision}'
     log(f"world size {world_size} ({dist.get_backend()}), device {device}, dtype {cfg['dtype']}, "

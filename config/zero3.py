@@ -1,5 +1,6 @@
 # torchrun --standalone --nproc_per_node=8 train.py config/zero3.py
-# GPT-2 124M as in config/gpt2_124m.py, with ZeRO-3: params sharded too (fsdp_lite.py): each unit of 3 blocks is all-gathered just before its forward and backward.
+# GPT-2 124M as in config/gpt2_124m.py, with ZeRO-3: params sharded too (fsdp_lite.py): each unit of 3 blocks is
+# all-gathered just before its forward and backward.
 # Per GPU: 16Ψ/8 = 0.25 GB (fp32 master + grad shard + moments; no bf16 shard: each all-gather rounds the master),
 # + prefetch+1 units and the embedding unit unsharded. Sends ~3Ψ per micro-step. Built on the meta device: no rank
 # ever holds the whole model. --compile=True compiles each block (the gathering hooks stay outside).
