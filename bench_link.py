@@ -39,9 +39,9 @@ def time_collective(kind, numel, world_size, repeats):
         dist.barrier()
         t0 = time.perf_counter()
         if kind == 'all_gather':
-            dist.all_gather_into_tensor(full, shard)
+            comm.ALL_GATHER(full, shard)  # all_gather_single where torch has it (comm.py)
         elif kind == 'reduce_scatter':
-            dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG)
+            comm.REDUCE_SCATTER(shard, full, op=dist.ReduceOp.AVG)
         else:
             dist.all_reduce(full)
         times.append(time.perf_counter() - t0)

@@ -300,7 +300,7 @@ def bench_zero(args):
     mine = torch.tensor([[sum(pops[kind].values()), peaks[kind], transient_bound(engines[kind])] for kind in kinds]
                         + [[rss, 0, 0]], dtype=torch.float64, device=device)  # (kinds + 1, 3) bytes
     every = torch.empty(world_size * mine.shape[0], 3, dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(every, mine)
+    comm.ALL_GATHER(every, mine)
     if rank == 0:
         report(args, cfg, engines, first, sent, times, exposed, alone, pops, every.cpu().view(world_size, -1, 3))
     engine = None  # the engines go before the group does (FSDP2's params hold its mesh): [Note: the end of a run]

@@ -138,7 +138,7 @@ class Comm:
             return  # nobody else to compare with: the all-gather would return our own values at best
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         every = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(every, mine, group=self.process_group)  # not counted: start-up only
+        ALL_GATHER(every, mine, group=self.process_group)  # not counted: start-up only
         for r, theirs in enumerate(every.view(self.world_size, -1).tolist()):
             if theirs != values:
                 raise RuntimeError(f"rank {r} has a different {what} than rank {self.rank} ({theirs} vs {values}): "
