@@ -270,6 +270,26 @@ def test_a_stage_3_checkpoint_resumes_at_stage_2_consolidates_and_samples():
     header, text = sampled[1].split('\n', 1)
     assert 'zero_stage=2 on 1 rank(s)' in header and text.startswith('ROMEO:') and len(text) > 40
 
+def test_a_shard_changed_at_its_size_stops_the_load_with_its_flags_on_the_gpu(tmp_path):
+    # checkpoint.verify on the engine's device (NCCL takes no CPU tensor; at world 1 there is no MAX to run): the
+    # resume chain's newest checkpoint passes, then one byte of its shard changed is named
+    import checkpoint
+    import types
+    assert result('resume chain')[0][0] == 0
+    path = str(tmp_path / 'ckpt')
+    shutil.copytree(checkpoint.latest(f'{OUT}/save'), path)
+    on = types.SimpleNamespace(rank=0, world_size=1, fake=False, process_group=None,
+                               device=torch.device('cuda' if GPU else 'cpu'))
+    checkpoint.verify(path, checkpoint.read_manifest(path), on)
+    with open(os.path.join(path, 'rank00000.pt'), 'r+b') as f:
+        f.seek(os.path.getsize(f.name) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(checkpoint.ChangedFile, match='rank00000.pt does not match the CRC-32'):
+        checkpoint.verify(path, checkpoint.read_manifest(path), on)
+
+
 def test_a_stage_0_fp16_checkpoint_resumes_at_stage_0():
     first, second = result('stage 0 resume')
     for code, log in (first, second):
