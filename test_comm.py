@@ -522,8 +522,8 @@ def test_named_ranges_open_only_while_a_profiler_records(monkeypatch):
 
 
 def test_every_all_gather_and_reduce_scatter_goes_through_comms_pick_of_torchs_name():
-    # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor for *_single (2.11 has both); comm.py picks
-    # the name torch has, and nothing else calls the old ones (the CI run found check_same and two benches doing so)
+    # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor for *_single; comm.py picks the name torch
+    # has, and nothing else calls the old ones (the CI run found check_same and two benches doing so)
     root = os.path.dirname(os.path.abspath(__file__))
     files = sorted(f for f in os.listdir(root) if f.endswith('.py') and not f.startswith('test_'))
     calls = [f'{f}:{n}' for f in files for n, line in enumerate(open(os.path.join(root, f)), 1)

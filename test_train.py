@@ -87,6 +87,7 @@ def test_a_setting_the_stage_never_reads_is_named_in_a_warning(tmp_path):
 def test_help_prints_how_to_run_and_where_the_keys_are():
     out = subprocess.run([sys.executable, 'train.py', '--help'], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith('Train a GPT') and 'torchrun' in out.stdout, out.stderr
+    assert "\n  --zero_stage=0\n" in out.stdout and "\n  --backend=''\n" in out.stdout  # every key, with its default
 
 
 def test_the_lr_schedule_takes_warmup_ending_where_the_decay_ends():

@@ -10,7 +10,8 @@ $ torchrun --standalone --nproc_per_node=8 train.py config/zero3.py
 Across 2 nodes, run on each (node_rank 0 and 1; MASTER_ADDR = node 0's address; out_dir on a shared filesystem):
 $ torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=$MASTER_ADDR --master_port=29500 train.py config/zero3.py
 
-Any key below can be set in a config file (plain Python assignments) or as --key=value after it.
+Any key below (its default; the top of this file says what each does) can be set in a config file (plain Python
+assignments) or as --key=value after it.
 """
 import ast
 import dataclasses
@@ -438,7 +439,7 @@ def profiler_step(profiler, cfg, log):
 
 if __name__ == '__main__':
     if {'-h', '--help'} & set(sys.argv[1:]):  # how to run (the keys and their defaults: the top of this file)
-        sys.exit(print(__doc__.strip()))
+        sys.exit(print(__doc__.strip(), *(f'  --{k}={v!r}' for k, v in DEFAULTS.items()), sep='\n'))
     try:
         config = parse_config(sys.argv[1:])
         check_config(config, int(os.environ.get('WORLD_SIZE', 1)))
