@@ -168,6 +168,9 @@ def write(obj, path):
 
 
 class Crc32Writer:
+    """The file torch.save writes to, summing the bytes as they pass (torch only ever calls write, in order): the
+    checksum costs no second read of a file that may be gigabytes."""
+
     def __init__(self, f):
         self.f, self.crc = f, 0
 
@@ -177,8 +180,6 @@ class Crc32Writer:
 
     def flush(self):
         self.f.flush()
-
-
 
 
 def sync_directory(path):
@@ -277,16 +278,22 @@ def verify(path, manifest, comm=None):
         dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=comm.process_group)  # start-up only: not counted
     bad = [n for n, c in zip(names, changed.tolist()) if c]
     if bad:
-        raise ChangedFile(f"{os.path.join(path, bad[0])} does not match the CRC-32 its manifest holds: it changed after "
-                          f"it was saved (a disk or copy error){f', as did {len(bad) - 1} more' * (len(bad) > 1)}; use "
-                          f"an earlier checkpoint (move this ckpt-* directory aside)")
+        more = f', as did {len(bad) - 1} more' * (len(bad) > 1)
+        raise ChangedFile(f"{os.path.join(path, bad[0])} does not match the CRC-32 its manifest holds (or cannot be "
+                          f"read): it changed after it was saved (a disk or copy error){more}; use an earlier "
+                          f"checkpoint (move this ckpt-* directory aside)")
 
 
 def crc32_of(file):
+    """zlib's CRC-32 of the whole file; None where it cannot be read (an I/O error is a flag too, not a rank that
+    stops alone while the others wait in verify's MAX)."""
     crc = 0
-    with open(file, 'rb') as f:
-        while chunk := f.read(64 << 20):
-            crc = zlib.crc32(chunk, crc)
+    try:
+        with open(file, 'rb') as f:
+            while chunk := f.read(64 << 20):
+                crc = zlib.crc32(chunk, crc)
+    except OSError:
+        return None
     return crc
 
 

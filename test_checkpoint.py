@@ -398,7 +398,6 @@ def test_manifest_describes_the_layout_and_the_run():
     path = ckpt(d + '/saved', 2)
     assert m['crc32'] == {f: zlib.crc32(open(os.path.join(path, f), 'rb').read()) for f in m['files']}
     assert sorted(os.listdir(path)) == ['manifest.json', 'rank00000.pt', 'rank00001.pt']
-    checkpoint.verify(path, {'crc32': {}})  # a manifest saved before checksums: nothing to check
     with torch.device('meta'):
         model = GPT(GPTConfig(**m['model_args']))
     listed = {name: shape for b in m['layout'] for name, shape, _ in b['params']}
@@ -629,7 +628,12 @@ def broken(tmp_path, how):
             byte = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0x10]))
-        return out_dir, f"{newest}/rank00000.pt does not match the CRC-32 its manifest holds: it changed after it was saved"
+        return out_dir, f"{newest}/rank00000.pt does not match the CRC-32 its manifest holds (or cannot be read): it changed"
+    if how == 'a crc32 short of a file':  # a manifest edited by hand: that file would go unchecked
+        manifest = json.load(open(os.path.join(newest, 'manifest.json')))
+        del manifest['crc32']['rank00001.pt']
+        json.dump(manifest, open(os.path.join(newest, 'manifest.json'), 'w'))
+        return out_dir, f"{newest}/manifest.json: its files and their CRC-32s do not match up"
     if how == 'unknown format':
         text = open(os.path.join(newest, 'manifest.json')).read().replace('"format": 1,', '"format": 99,')
         open(os.path.join(newest, 'manifest.json'), 'w').write(text)
@@ -645,8 +649,8 @@ def broken(tmp_path, how):
     return out_dir, f"{newest}/manifest.json was saved by another model: n_layer=2 (the config says 3)"
 
 
-ERRORS = ['another model', 'missing shard', 'truncated shard', 'changed shard', 'unknown format', 'a list manifest',
-          'no layout', 'nothing left to train']
+ERRORS = ['another model', 'missing shard', 'truncated shard', 'changed shard', 'a crc32 short of a file', 'unknown format',
+          'a list manifest', 'no layout', 'nothing left to train']
 
 
 @pytest.mark.parametrize('how', ERRORS)
@@ -658,6 +662,29 @@ def test_bad_checkpoint_is_an_error_naming_the_file_and_the_problem(tmp_path, ho
         path, manifest = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
         checkpoint.verify(path, manifest)  # as load() does before it reads a file
     assert message in str(e.value)
+
+
+def test_a_checkpoint_saved_before_checksums_resumes_and_consolidates_as_before(tmp_path):
+    out_dir = str(tmp_path / 'out')
+    shutil.copytree(straight_run()[0], out_dir)
+    path = ckpt(out_dir, 10)
+    manifest = json.load(open(os.path.join(path, 'manifest.json')))
+    json.dump({k: v for k, v in manifest.items() if k != 'crc32'}, open(os.path.join(path, 'manifest.json'), 'w'))
+    cfg = {**CFG, 'out_dir': out_dir, 'init_from': 'resume', 'max_iters': 1000}
+    found, old = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+    assert 'crc32' not in old and found == path
+    checkpoint.verify(path, old)
+    assert set(checkpoint.full_state_dict(path)[0]) == set(checkpoint.full_state_dict(straight_run()[0])[0])
+
+
+def test_consolidate_and_sample_refuse_a_changed_shard_in_one_line(tmp_path):
+    out_dir, message = broken(tmp_path, 'changed shard')
+    with pytest.raises(checkpoint.ChangedFile, match=re.escape(message)):
+        checkpoint.consolidate(out_dir, str(tmp_path / 'model.pt'))
+    assert not os.path.exists(tmp_path / 'model.pt')
+    with pytest.raises(SystemExit) as e:
+        sample.main([f'--out_dir={out_dir}', '--device=cpu', '--max_new_tokens=2'])
+    assert message in str(e.value) and 'train first' not in str(e.value) and '\n' not in str(e.value)
 
 
 def _verify_on(rank, init_file, path, said):

@@ -530,3 +530,4 @@ def test_every_all_gather_and_reduce_scatter_goes_through_comms_pick_of_torchs_n
              if 'dist.all_gather_into_tensor(' in line or 'dist.reduce_scatter_tensor(' in line]
     assert len(files) > 15 and calls == [], calls
     assert comm.ALL_GATHER is getattr(dist, 'all_gather_single', dist.all_gather_into_tensor)
+    assert comm.REDUCE_SCATTER is getattr(dist, 'reduce_scatter_single', dist.reduce_scatter_tensor)

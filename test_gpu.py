@@ -24,12 +24,14 @@ import shutil
 import socket
 import subprocess
 import sys
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import checkpoint
 from model import GPT, GPTConfig
 
 ON_CPU = os.environ.get('NANOZERO_GPU_TESTS_ON_CPU') == '1'
@@ -270,12 +272,13 @@ def test_a_stage_3_checkpoint_resumes_at_stage_2_consolidates_and_samples():
     header, text = sampled[1].split('\n', 1)
     assert 'zero_stage=2 on 1 rank(s)' in header and text.startswith('ROMEO:') and len(text) > 40
 
-def test_a_shard_changed_at_its_size_stops_the_load_with_its_flags_on_the_gpu(tmp_path):
+
+def test_a_shard_changed_at_its_size_stops_verify_with_its_flags_on_the_gpu(tmp_path, monkeypatch):
     # checkpoint.verify on the engine's device (NCCL takes no CPU tensor; at world 1 there is no MAX to run): the
     # resume chain's newest checkpoint passes, then one byte of its shard changed is named
-    import checkpoint
-    import types
     assert result('resume chain')[0][0] == 0
+    made, real_tensor = [], torch.tensor
+    monkeypatch.setattr(torch, 'tensor', lambda *a, **kw: made.append(kw.get('device')) or real_tensor(*a, **kw))
     path = str(tmp_path / 'ckpt')
     shutil.copytree(checkpoint.latest(f'{OUT}/save'), path)
     on = types.SimpleNamespace(rank=0, world_size=1, fake=False, process_group=None,
@@ -288,6 +291,7 @@ def test_a_shard_changed_at_its_size_stops_the_load_with_its_flags_on_the_gpu(tm
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(checkpoint.ChangedFile, match='rank00000.pt does not match the CRC-32'):
         checkpoint.verify(path, checkpoint.read_manifest(path), on)
+    assert made == [on.device, on.device]  # the flags, made where the engine's collectives run
 
 
 def test_a_stage_0_fp16_checkpoint_resumes_at_stage_0():
