@@ -677,6 +677,19 @@ def test_a_checkpoint_saved_before_checksums_resumes_and_consolidates_as_before(
     assert set(checkpoint.full_state_dict(path)[0]) == set(checkpoint.full_state_dict(straight_run()[0])[0])
 
 
+def test_a_shard_that_cannot_be_read_is_a_flag_like_a_changed_one(tmp_path):
+    # an I/O error on one rank's file must reach verify's MAX as a flag, not stop that rank alone (the others would
+    # wait in the MAX); a directory where the file was stands in for the error (open raises IsADirectoryError)
+    out_dir = str(tmp_path / 'out')
+    shutil.copytree(straight_run()[0], out_dir)
+    path = ckpt(out_dir, 10)
+    manifest = checkpoint.read_manifest(path)
+    os.remove(os.path.join(path, 'rank00001.pt'))
+    os.mkdir(os.path.join(path, 'rank00001.pt'))
+    with pytest.raises(checkpoint.ChangedFile, match='rank00001.pt does not match the CRC-32 its manifest holds'):
+        checkpoint.verify(path, manifest)
+
+
 def test_consolidate_and_sample_refuse_a_changed_shard_in_one_line(tmp_path):
     out_dir, message = broken(tmp_path, 'changed shard')
     with pytest.raises(checkpoint.ChangedFile, match=re.escape(message)):
