@@ -251,7 +251,7 @@ def read_manifest(path):
     if not isinstance(files, dict) or not isinstance(crc32, dict) or crc32 and (
             set(crc32) != set(files) or any(type(v) is not int for v in crc32.values())):
         raise ValueError(f"{where}: its files and their CRC-32s do not match up: not a manifest nanozero wrote")
-    for name, size in manifest['files'].items():
+    for name, size in files.items():
         file = os.path.join(path, name)
         if not os.path.exists(file):
             raise ValueError(f"{file} is missing (the manifest lists it): the checkpoint is incomplete")
@@ -269,9 +269,9 @@ def verify(path, manifest, comm=None):
     file i by rank i mod world size; a MAX over ranks tells every rank which failed, so all stop together with the
     same ChangedFile, none left waiting in a collective (comm: the engine's; None, one process checks them all)."""
     names = sorted(manifest.get('crc32', {}))  # a manifest written before checksums: nothing to check
-    rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     if not names:
         return
+    rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     changed = torch.tensor([i % world == rank and crc32_of(os.path.join(path, n)) != manifest['crc32'][n]
                             for i, n in enumerate(names)], dtype=torch.int64, device=comm.device if comm else 'cpu')
     if comm and world > 1 and not comm.fake:

@@ -145,9 +145,6 @@ class Comm:
                                    "every rank must build the same model with the same config")
 
 # -----------------------------------------------------------------------------
-# The end of a run
-
-# -----------------------------------------------------------------------------
 # A run's process group: its start (start_process_group, restart_store) and its end (end_process_group)
 
 

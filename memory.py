@@ -349,7 +349,7 @@ def main(argv):
     try:  # a bad config or --set: one line, as train.py says it
         cfg = train.parse_config(([args.config] if args.config else []) + [f'--{kv}' for kv in args.set],
                                  defaults={**train.DEFAULTS, 'dtype': 'bfloat16'})  # the GPU default
-        zcfg = train.zero_config({**cfg, 'zero_stage': 1 if cfg['zero_stage'] == 'auto' else cfg['zero_stage']})
+        zcfg = train.zero_config(cfg)  # 'auto': stage 1's
         if cfg['n_head'] < 1 or cfg['n_embd'] % cfg['n_head']:
             raise ValueError(f"n_embd={cfg['n_embd']} is not a multiple of n_head={cfg['n_head']}")
     except ValueError as e:

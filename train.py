@@ -288,13 +288,14 @@ def check_config(cfg, world_size):
     tokens = found and min(os.path.getsize(os.path.join(data_dir(cfg), f'{s}.bin')) // 2 for s in ('train', 'val'))
     if found and tokens <= cfg['block_size']:  # a window and its next token must fit (uint16 tokens)
         raise ValueError(f"block_size={cfg['block_size']}, but a split of {cfg['dataset']} has {tokens} tokens: use less")
-    return zero_config({**cfg, 'zero_stage': 1 if cfg['zero_stage'] == 'auto' else cfg['zero_stage']})
+    return zero_config(cfg)
 
 
 def zero_config(cfg):
     same = {f.name: cfg[f.name] for f in dataclasses.fields(ZeroConfig) if f.name in cfg}  # a key per field, as is
     precision = kernels.Precision(cfg['master_weights'], cfg['state_dtype'], cfg['stochastic_rounding'])
-    return ZeroConfig(**{**same, 'stage': cfg['zero_stage'], 'param_dtype': getattr(torch, cfg['dtype']),
+    stage = 1 if cfg['zero_stage'] == 'auto' else cfg['zero_stage']  # 'auto', not chosen yet: stage 1's, for the checks
+    return ZeroConfig(**{**same, 'stage': stage, 'param_dtype': getattr(torch, cfg['dtype']),
                          'reduce_dtype': getattr(torch, cfg['reduce_dtype']), 'precision': precision})
 
 
@@ -334,7 +335,7 @@ def main(cfg):
     resume = checkpoint.find_resume(cfg, args)  # None, or (path, manifest): errors before any training step
     if cfg['zero_stage'] == 'auto':  # the lowest stage that fits in the least memory of any rank (memory.py)
         try:
-            cfg['zero_stage'], line = memory.choose_stage(cfg, zero_config({**cfg, 'zero_stage': 1}), device, world_size, args)
+            cfg['zero_stage'], line = memory.choose_stage(cfg, zero_config(cfg), device, world_size, args)
         except ValueError as e:  # none fits, on every rank at once: one line, as a config error
             sys.exit(f"config error: {e}" if master_process else 1)
         log(line)
@@ -349,7 +350,6 @@ def main(cfg):
         kernels.announce_build(cfg['optimizer_impl'], device, log)
         impl = kernels.resolve_impl(cfg['optimizer_impl'], device)
     model, engine = build(cfg, device, args)
-    skipped = 0
     try:  # a shard file changed at its size, found by its CRC-32 (checkpoint.verify): every rank stops, rank 0 says so
         iter_num, best_val_loss = checkpoint.load(engine, *resume, log=log, cfg=cfg) if resume else (0, 1e9)
     except checkpoint.ChangedFile as e:
@@ -367,7 +367,7 @@ def main(cfg):
         log("compiling with torch.compile: the first iterations include the compilation")
     profiler = start_profiler(cfg, rank, device)
     peak = peak_flops(device)
-    t0 = time.time()
+    t0, skipped = time.time(), 0  # skipped: steps in a row with a non-finite grad norm
     while True:
         if iter_num % cfg['eval_interval'] == 0 or iter_num >= cfg['max_iters']:
             losses = evaluate(engine, eval_sets, autocast, rank, world_size)
