@@ -1,11 +1,11 @@
 """
 Checkpoints that survive anything: sharded, atomic, resumable at another world size and stage, and
-consolidated into one nanoGPT-layout file on demand.
+consolidated into one nanoGPT-layout file on demand (consolidate.py).
 
     out_dir/ckpt-00000250/rank00000.pt ...   each rank's own shards
     out_dir/ckpt-00000250/manifest.json      written last, by rank 0: the flat layout, config, iteration, ...
 
-    python checkpoint.py consolidate out-shakespeare-char -o model.pt [--dtype bfloat16]   # needs no GPU, no ranks
+    python consolidate.py out-shakespeare-char -o model.pt [--dtype bfloat16]   # needs no GPU, no ranks
     python sample.py --ckpt=model.pt            (sample.py also reads a checkpoint directory directly)
 
 A save writes what the rank owns and nothing else, one bucket at a time to host memory: its slices of the
@@ -31,7 +31,6 @@ it (memory-mapped, so only what is read is loaded: past verify, which reads each
 stores it in its own precision. No conversion step for the user. Ranks and barriers are the engine's process group's
 (engine.comm), not necessarily the whole job's.
 """
-import argparse
 import errno
 import fcntl
 import glob
@@ -482,35 +481,7 @@ def load_stage0(engine, shards, manifest):
     engine.optimizer.load_state_dict({'state': state, 'param_groups': engine.optimizer.state_dict()['param_groups']})
 
 # -----------------------------------------------------------------------------
-# consolidate: one nanoGPT-layout state dict, no process group, no GPU
-
-
-def resolve(path):
-    """A checkpoint directory, or an out_dir (its newest complete checkpoint)."""
-    found = path if os.path.exists(os.path.join(path, 'manifest.json')) else latest(path)
-    if found is None:
-        raise ValueError(f"{path}: neither a checkpoint (no manifest.json) nor an out_dir with one (ckpt-*/manifest.json)")
-    return found
-
-
-def full_state_dict(path, dtype=torch.float32):
-    """(state dict with model.py's names and no padding, manifest). Tied weights are one tensor under both
-    names (torch.save stores it once; GPT.load_state_dict(strict=True) finds both). Peak memory: the model
-    plus the pages of the shards being read."""
-    from model import GPT, GPTConfig
-    path = resolve(path)
-    manifest = read_manifest(path)
-    verify(path, manifest)
-    shards = Shards(path, manifest)
-    with torch.device('meta'):
-        model = GPT(GPTConfig(**manifest['model_args']))
-    names = {p: n for n, p in model.named_parameters()}
-    frozen = shards.file(0).get('frozen', {})
-    values = {}
-    for p, name in names.items():
-        value = frozen[name] if name in frozen else shards.read(name, 'master', 0, p.numel())
-        values[p] = value.view(p.shape).to(dtype)
-    return {key: values[p] for key, p in model.state_dict(keep_vars=True).items()}, manifest
+# what the run trained on: consolidate.py and sample.py carry it with the model
 
 
 def dataset_meta(dataset):
@@ -522,26 +493,5 @@ def dataset_meta(dataset):
         return json.load(f)
 
 
-def consolidate(path, out_file, dtype=torch.float32):
-    """One file with everything sample.py needs, the tokenizer's meta included (GPT-2's BPE files are read from
-    data/<dataset>/ or data/.cache/). Written to a temporary name and renamed: never a half-written model.pt."""
-    state, manifest = full_state_dict(path, dtype)
-    info = {k: manifest[k] for k in ('model_args', 'iter_num', 'best_val_loss', 'config', 'stage', 'world_size')}
-    torch.save({'model': state, 'meta': dataset_meta(manifest['config']['dataset']), **info}, out_file + '.tmp')
-    os.replace(out_file + '.tmp', out_file)
-    return manifest
-
-
-if __name__ == '__main__':
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('command', choices=['consolidate'])
-    parser.add_argument('path', help="a checkpoint directory (ckpt-N) or an out_dir (its newest complete checkpoint)")
-    parser.add_argument('-o', '--output', default='model.pt')
-    parser.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
-    args = parser.parse_args()
-    try:
-        manifest = consolidate(args.path, args.output, getattr(torch, args.dtype))
-    except ValueError as e:
-        sys.exit(f"checkpoint error: {e}")
-    print(f"{args.output}: iteration {manifest['iter_num']}, {args.dtype}, from stage {manifest['stage']} on "
-          f"{manifest['world_size']} rank(s)")
+if __name__ == '__main__':  # this file's command until 27 Nov 2026
+    sys.exit("python checkpoint.py consolidate ... is now python consolidate.py ... (the same arguments after it)")

@@ -1,6 +1,6 @@
 """
 Sample from a trained model, nanoGPT-style: print num_samples continuations of start. It reads a consolidated
-file (python checkpoint.py consolidate OUT_DIR -o model.pt) or a sharded checkpoint as train.py wrote it: a
+file (python consolidate.py OUT_DIR -o model.pt) or a sharded checkpoint as train.py wrote it: a
 ckpt-N directory, or an out_dir (its newest complete checkpoint), from any zero_stage and world size. Tokens are
 characters or GPT-2 BPE, as the run's dataset was prepared (its meta.json; a consolidated file carries it).
 
@@ -13,6 +13,7 @@ import os
 import torch
 
 import checkpoint
+import consolidate
 from model import GPT, GPTConfig
 
 
@@ -25,10 +26,10 @@ def load_model(path):
             raise ValueError(f"not a file torch.save wrote ({type(e).__name__})") from None
         if not isinstance(info, dict) or 'model' not in info:  # e.g. one rank's shard file of a ckpt-N directory
             raise ValueError("not a consolidated model: give its ckpt-N directory or out_dir, or make one with "
-                             "python checkpoint.py consolidate OUT_DIR -o model.pt")
+                             "python consolidate.py OUT_DIR -o model.pt")
         state = info.pop('model')
     else:
-        state, info = checkpoint.full_state_dict(path)
+        state, info = consolidate.full_state_dict(path)
     model = GPT(GPTConfig(**info['model_args']))
     model.load_state_dict(state, strict=True)
     return model.eval(), info

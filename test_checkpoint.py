@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import checkpoint
+import consolidate
 import comm
 import sample
 import train
@@ -248,7 +249,7 @@ def ckpt(directory, it):
 
 
 def params(path):
-    return checkpoint.full_state_dict(path)[0]
+    return consolidate.full_state_dict(path)[0]
 
 
 def as_run(result, path, iterations):
@@ -303,7 +304,7 @@ def saved_and_resaved(job_dir):
     """A resave job's two checkpoints as Shards, and every stored number of every param in both, decoded to fp32:
     [(param, population, saved, resaved)]."""
     a, b = (checkpoint.Shards(p, checkpoint.read_manifest(p))
-            for p in (checkpoint.resolve(os.path.join(job_dir, r)) for r in ('saved', 'resaved')))
+            for p in (consolidate.resolve(os.path.join(job_dir, r)) for r in ('saved', 'resaved')))
     with torch.device('meta'):
         model = GPT(GPTConfig(**a.manifest['model_args']))
     return a, b, [(name, population, a.read(name, population, 0, p.numel()), b.read(name, population, 0, p.numel()))
@@ -384,7 +385,7 @@ def test_manifest_is_written_after_every_rank_finished_its_file():
     _, d = job('slow writer')  # rank 1 writes its file a second late
     manifest = checkpoint.read_manifest(ckpt(d + '/slow', 1))
     assert sorted(manifest['files']) == ['rank00000.pt', 'rank00001.pt']
-    checkpoint.full_state_dict(ckpt(d + '/slow', 1))
+    consolidate.full_state_dict(ckpt(d + '/slow', 1))
 
 
 def test_manifest_describes_the_layout_and_the_run():
@@ -466,7 +467,7 @@ def resumed_on_3_ranks_at_stage_3():
 def global_loss(path, iteration):
     """The loss of iteration+1 as one rank would log it: the consolidated params after `iteration` steps on
     that iteration's whole global batch."""
-    state, manifest = checkpoint.full_state_dict(path)
+    state, manifest = consolidate.full_state_dict(path)
     model = GPT(GPTConfig(**manifest['model_args']))
     model.load_state_dict(state)
     cfg = manifest['config']
@@ -511,7 +512,7 @@ def test_killed_rank_restarts_from_the_last_complete_checkpoint_and_ends_bit_ide
 
 def test_consolidated_stage3_checkpoint_loads_strict_and_gives_the_sharded_eval_loss(tmp_path):
     resumed, log = resumed_on_3_ranks_at_stage_3()
-    out = subprocess.run([sys.executable, 'checkpoint.py', 'consolidate', resumed, '-o', str(tmp_path / 'model.pt')],
+    out = subprocess.run([sys.executable, 'consolidate.py', resumed, '-o', str(tmp_path / 'model.pt')],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and 'iteration 10, float32, from stage 3 on 3 rank(s)' in out.stdout, out.stderr
     saved = torch.load(tmp_path / 'model.pt', weights_only=True)
@@ -527,7 +528,7 @@ def test_consolidated_stage3_checkpoint_loads_strict_and_gives_the_sharded_eval_
     ours = sum(losses) / len(losses)
     logged = float(log.split('step 10:')[1].split('val loss ')[1].split()[0])  # the sharded model's eval, 3 ranks
     assert abs(ours - logged) <= 5.1e-5 and abs(ours - saved['best_val_loss']) < 1e-6, (ours, logged, saved['best_val_loss'])
-    checkpoint.consolidate(resumed, str(tmp_path / 'bf16.pt'), torch.bfloat16)
+    consolidate.consolidate(resumed, str(tmp_path / 'bf16.pt'), torch.bfloat16)
     half = torch.load(tmp_path / 'bf16.pt', weights_only=True)
     assert all(t.dtype == torch.bfloat16 for t in half['model'].values())
     assert os.path.getsize(tmp_path / 'bf16.pt') < 0.6 * os.path.getsize(tmp_path / 'model.pt')
@@ -535,7 +536,7 @@ def test_consolidated_stage3_checkpoint_loads_strict_and_gives_the_sharded_eval_
 
 def test_sample_py_prints_text_from_a_consolidated_file_and_from_a_checkpoint_directory(tmp_path):
     resumed, _ = resumed_on_3_ranks_at_stage_3()
-    checkpoint.consolidate(resumed, str(tmp_path / 'model.pt'))
+    consolidate.consolidate(resumed, str(tmp_path / 'model.pt'))
     common = ['--start=ROMEO:', '--num_samples=1', '--max_new_tokens=100', '--device=cpu']
     runs = [subprocess.Popen([sys.executable, 'sample.py', source, *common], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for source in (f'--ckpt={tmp_path}/model.pt', f'--out_dir={resumed}')]
@@ -674,7 +675,7 @@ def test_a_checkpoint_saved_before_checksums_resumes_and_consolidates_as_before(
     found, old = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
     assert 'crc32' not in old and found == path
     checkpoint.verify(path, old)
-    assert set(checkpoint.full_state_dict(path)[0]) == set(checkpoint.full_state_dict(straight_run()[0])[0])
+    assert set(consolidate.full_state_dict(path)[0]) == set(consolidate.full_state_dict(straight_run()[0])[0])
 
 
 def test_a_shard_that_cannot_be_read_is_a_flag_like_a_changed_one(tmp_path):
@@ -693,7 +694,7 @@ def test_a_shard_that_cannot_be_read_is_a_flag_like_a_changed_one(tmp_path):
 def test_consolidate_and_sample_refuse_a_changed_shard_in_one_line(tmp_path):
     out_dir, message = broken(tmp_path, 'changed shard')
     with pytest.raises(checkpoint.ChangedFile, match=re.escape(message)):
-        checkpoint.consolidate(out_dir, str(tmp_path / 'model.pt'))
+        consolidate.consolidate(out_dir, str(tmp_path / 'model.pt'))
     assert not os.path.exists(tmp_path / 'model.pt')
     with pytest.raises(SystemExit) as e:
         sample.main([f'--out_dir={out_dir}', '--device=cpu', '--max_new_tokens=2'])

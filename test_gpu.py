@@ -101,7 +101,7 @@ def resume_chain():
     first = train('save', *common, '--zero_stage=3', '--max_iters=3')
     second = train('save', *common, '--zero_stage=2', '--max_iters=6', '--init_from=resume')
     model = f'{OUT}/save/model.pt'
-    consolidated = run('consolidate', 'consolidate', f'{OUT}/save', '-o', model, script='checkpoint.py', config=None)
+    consolidated = run('consolidate', f'{OUT}/save', '-o', model, script='consolidate.py', config=None)
     sampled = run('sample', f'--ckpt={model}', '--start=ROMEO:', '--num_samples=1', '--max_new_tokens=50',
                   f"--device={'cuda' if GPU else 'cpu'}", script='sample.py', config=None)
     return first, second, consolidated, sampled

@@ -1,0 +1,70 @@
+"""
+One nanoGPT-layout file from a sharded checkpoint (checkpoint.py), at whatever world size and stage it was saved:
+no process group, no GPU.
+
+    python consolidate.py out-shakespeare-char -o model.pt [--dtype bfloat16]   # an out_dir (its newest) or a ckpt-N
+    python sample.py --ckpt=model.pt            (sample.py also reads a checkpoint directory directly)
+
+Each param is read from whichever rank files hold its pieces (checkpoint.Shards: memory-mapped, decoded to fp32 from
+the form the run's precision stored), under model.py's names, padding removed, tied weights stored once:
+GPT.load_state_dict(strict=True) accepts it. The tokenizer's meta rides along, for sample.py.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+import checkpoint
+from model import GPT, GPTConfig
+
+
+def resolve(path):
+    """A checkpoint directory, or an out_dir (its newest complete checkpoint)."""
+    found = path if os.path.exists(os.path.join(path, 'manifest.json')) else checkpoint.latest(path)
+    if found is None:
+        raise ValueError(f"{path}: neither a checkpoint (no manifest.json) nor an out_dir with one (ckpt-*/manifest.json)")
+    return found
+
+
+def full_state_dict(path, dtype=torch.float32):
+    """(state dict with model.py's names and no padding, manifest). Tied weights are one tensor under both
+    names (torch.save stores it once; GPT.load_state_dict(strict=True) finds both). Peak memory: the model
+    plus the pages of the shards being read."""
+    path = resolve(path)
+    manifest = checkpoint.read_manifest(path)
+    checkpoint.verify(path, manifest)  # every file's CRC-32, before any is read
+    shards = checkpoint.Shards(path, manifest)
+    with torch.device('meta'):
+        model = GPT(GPTConfig(**manifest['model_args']))
+    names = {p: n for n, p in model.named_parameters()}
+    frozen = shards.file(0).get('frozen', {})
+    values = {}
+    for p, name in names.items():
+        value = frozen[name] if name in frozen else shards.read(name, 'master', 0, p.numel())
+        values[p] = value.view(p.shape).to(dtype)
+    return {key: values[p] for key, p in model.state_dict(keep_vars=True).items()}, manifest
+
+
+def consolidate(path, out_file, dtype=torch.float32):
+    """One file with everything sample.py needs, the tokenizer's meta included (GPT-2's BPE files are read from
+    data/<dataset>/ or data/.cache/). Written to a temporary name and renamed: never a half-written model.pt."""
+    state, manifest = full_state_dict(path, dtype)
+    info = {k: manifest[k] for k in ('model_args', 'iter_num', 'best_val_loss', 'config', 'stage', 'world_size')}
+    torch.save({'model': state, 'meta': checkpoint.dataset_meta(manifest['config']['dataset']), **info}, out_file + '.tmp')
+    os.replace(out_file + '.tmp', out_file)
+    return manifest
+
+
+if __name__ == '__main__':
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('path', help="a checkpoint directory (ckpt-N) or an out_dir (its newest complete checkpoint)")
+    parser.add_argument('-o', '--output', default='model.pt')
+    parser.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'])
+    args = parser.parse_args()
+    try:
+        manifest = consolidate(args.path, args.output, getattr(torch, args.dtype))
+    except ValueError as e:
+        sys.exit(f"checkpoint error: {e}")
+    print(f"{args.output}: iteration {manifest['iter_num']}, {args.dtype}, from stage {manifest['stage']} on "
+          f"{manifest['world_size']} rank(s)")
