@@ -111,9 +111,8 @@ def make_engine(kind, model, grad_clip, param_dtype=torch.float32, **zero_kw):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh('cpu', (dist.get_world_size(),))
         mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        for block in model.transformer.h:
-            fully_shard(block, mesh=mesh, mp_policy=mp_policy)
-        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        for module in [*model.transformer.h, model]:  # each block, then the root
+            fully_shard(module, mesh=mesh, mp_policy=mp_policy)
         return TorchEngine(model, model, grad_clip)
     stage = {'ddp': 0, 'zero1': 1, 'zero2': 2, 'zero3': 3}[kind]
     cfg = zero.ZeroConfig(stage=stage, param_dtype=param_dtype, grad_clip=grad_clip, **zero_kw)
