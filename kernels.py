@@ -176,9 +176,11 @@ def join_master(param, remainder):
 # half of a hash of (rounding_seed, step, index in the full flat buffer): no RNG state, a resumed run re-rounds
 # identically, and it does not depend on how the buffer is sharded. The hash chains Chris Wellons' 32-bit integer
 # mixer "lowbias32" (x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16): a key per step,
-# key = mix(mix(seed) ^ step), then per element h = mix(mix(lo ^ key) ^ hi) over the index's low half and its high half
-# (models > 2^32 params). Two mixes an element, not four: the per-element multiplies were a quarter of the stochastic
-# 8-bit step on the CPU. The key only moves which index gets which number; each element still sees a new one a step.
+# key = mix(mix(seed) ^ step), then one mix an element, h = mix(f * (key | 1) + key mod 2^32), of the index's low half
+# with its high half folded in (f = lo ^ hi * 0x9e3779b9: models > 2^32 params). The odd multiplier, new each step,
+# makes the difference between an element's inputs of two steps depend on the element (with lo ^ key it would be one
+# xor for all, which a single mix does not fully hide). One mix, not two: on one H200 the second was ~10 of the
+# stochastic 8-bit step's ~133 instructions an element, the step bound by what it issues (assets/kernels_8bit.md).
 
 def _mul32(x, c):
     """x * c mod 2^32 for x < 2^32 in int64, without overflow: each partial product is < 2^48."""
@@ -194,7 +196,8 @@ def _lowbias32(x):
 def rounding_hash(seed, step, index):
     """32 random bits (in int64) per element of index (int64 >= 0): [Note: stochastic rounding, reproducibly]."""
     key = _lowbias32(_lowbias32(seed) ^ step)
-    return _lowbias32(_lowbias32((index & 0xFFFFFFFF) ^ key) ^ (index >> 32))
+    folded = (index & 0xFFFFFFFF) ^ _mul32(index >> 32, 0x9E3779B9)
+    return _lowbias32((_mul32(folded, key | 1) + key) & 0xFFFFFFFF)
 
 
 def round_stochastic(x32, seed, step, index_offset=0):

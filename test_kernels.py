@@ -317,6 +317,22 @@ def test_stochastic_rounding_is_reproducible_and_changes_with_step_seed_and_inde
         assert 0.3 < changed < 0.37, (other, changed)
 
 
+def test_stochastic_roundings_random_numbers_are_uncorrelated_across_steps_and_neighbours():
+    # [Note: stochastic rounding, reproducibly]: one mix an element, so what the mix does not hide would show here: the
+    # 16-bit numbers of 200,000 elements (two windows: index < 2^32 and past it) against the next step's, the next
+    # element's and the next seed's; uncorrelated numbers give |r| ~ 1/sqrt(n) = 0.0022, we allow 5 of that
+    n = 200_000
+    for start in (0, 3 * 2**32 - n // 2):
+        index = torch.arange(start, start + n)
+        u = lambda seed, step, i=index: (kernels.rounding_hash(seed, step, i) & 0xFFFF).double()
+        base = u(11, 40)
+        for other in (u(11, 41), u(11, 40, index + 1), u(12, 40), u(11, 40 + 2**16)):
+            r = torch.corrcoef(torch.stack([base, other]))[0, 1].item()
+            assert abs(r) < 5 / n**0.5, (start, r)
+        counts = torch.bincount(base.long() >> 12, minlength=16).double()  # 16 equal bins: chi-square, 15 dof
+        assert ((counts - n / 16) ** 2 / (n / 16)).sum() < 50, counts
+
+
 def test_stochastic_rounding_gives_one_of_the_two_neighbours():
     x = torch.randn(100_000) * 10.0 ** torch.randint(-35, 35, (100_000,))
     truncated = bits(x).long() >> 16

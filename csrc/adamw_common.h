@@ -79,9 +79,10 @@ HD uint32_t lowbias32(uint32_t x) {
   x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16; return x;
 }
 HD uint32_t rounding_key(uint32_t seed, uint32_t step) { return lowbias32(lowbias32(seed) ^ step); }  // once a step
-// two mixes an element, with the step's key: [Note: stochastic rounding, reproducibly] (kernels.py)
+// one mix an element, of an odd multiple of the index plus the step's key: [Note: stochastic rounding, reproducibly]
 HD uint32_t rounding_hash(uint32_t key, int64_t index) {
-  return lowbias32(lowbias32((uint32_t)index ^ key) ^ (uint32_t)((uint64_t)index >> 32));
+  const uint32_t folded = (uint32_t)index ^ (uint32_t)((uint64_t)index >> 32) * 0x9E3779B9u;  // the high half folded in
+  return lowbias32(folded * (key | 1u) + key);
 }
 
 // Weights policies: where the fp32 weights come from and where they go. param_t is read only if reads_param.
