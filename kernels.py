@@ -179,8 +179,9 @@ def join_master(param, remainder):
 # key = mix(mix(seed) ^ step), then one mix an element, h = mix(f * (key | 1) + key mod 2^32), of the index's low half
 # with its high half folded in (f = lo ^ hi * 0x9e3779b9: models > 2^32 params). The odd multiplier, new each step,
 # makes the difference between an element's inputs of two steps depend on the element (with lo ^ key it would be one
-# xor for all, which a single mix does not fully hide). One mix, not two: on one H200 the second was ~10 of the
-# stochastic 8-bit step's ~133 instructions an element, the step bound by what it issues (assets/kernels_8bit.md).
+# xor for all, which a single mix does not fully hide). One mix, not two: the second was 6 of the CUDA stochastic
+# 8-bit step's 133 instructions an element, a step bound by what it issues; without it that step took 0.96x the time
+# on one H200, 0.97x on 2 CPU cores (assets/kernels_8bit.md).
 
 def _mul32(x, c):
     """x * c mod 2^32 for x < 2^32 in int64, without overflow: each partial product is < 2^48."""
