@@ -179,7 +179,7 @@ def join_master(param, remainder):
 # key = mix(mix(seed) ^ step), then one mix an element, h = mix(f * (key | 1) + key mod 2^32), of the index's low half
 # with its high half folded in (f = lo ^ hi * 0x9e3779b9: models > 2^32 params). The odd multiplier, new each step,
 # makes the difference between an element's inputs of two steps depend on the element (with lo ^ key it would be one
-# xor for all, which a single mix does not fully hide). One mix, not two: the second was 6 of the CUDA stochastic
+# xor for all, a structure a single mix may not fully hide; no test here measures it). One mix, not two: the second was 6 of the CUDA stochastic
 # 8-bit step's 133 instructions an element, a step bound by what it issues; without it that step took 0.96x the time
 # on one H200, 0.97x on 2 CPU cores (assets/kernels_8bit.md).
 
