@@ -72,6 +72,17 @@ def test_impossible_settings_are_clear_errors(monkeypatch, override, message):
         train.check_config(cfg, world_size=2)
 
 
+def test_stochastic_rounding_takes_a_32_bit_seed_named_before_training():
+    # before, a larger seed trained until the first step, where the kernel refused it on every rank
+    cfg = train.parse_config(['--device=cpu', '--dtype=bfloat16', '--zero_stage=2', '--master_weights=none',
+                              '--stochastic_rounding=True', '--seed=4294967296'])
+    message = "seed=4294967296: stochastic rounding hashes a 32-bit seed, use one in [0, 2^32)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train.check_config(cfg, world_size=1)
+    assert train.check_config({**cfg, 'seed': 2**32 - 1}, world_size=1).seed == 2**32 - 1
+    assert train.check_config({**cfg, 'stochastic_rounding': False}, world_size=1).seed == 2**32  # unused: any seed
+
+
 def test_a_setting_the_stage_never_reads_is_named_in_a_warning(tmp_path):
     # before, --reduce_dtype=bfloat16 at stage 0 (torch DDP reduces in fp32) or --prefetch=2 at stage 2 did nothing
     cfg = train.parse_config(['--device=cpu', '--zero_stage=0', '--reduce_dtype=bfloat16', '--prefetch=2'])

@@ -122,7 +122,7 @@ class ZeroConfig:
     reshard_after_forward: bool = True  # stage 3: free each unit's params after its forward
     blocks_per_unit: int = 1  # stage 3: consecutive blocks gathered as one unit (fsdp_lite [Note: blocks per unit])
     precision: kernels.Precision = field(default_factory=kernels.Precision)  # what the optimizer stores
-    seed: int = 0  # stochastic rounding's counter-based hash starts from it
+    seed: int = 0  # stochastic rounding's counter-based hash starts from it (a 32-bit seed)
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -133,6 +133,8 @@ class ZeroConfig:
             raise ValueError(f"prefetch={self.prefetch} must be >= 0 (0 turns prefetching off)")
         if self.blocks_per_unit < 1:
             raise ValueError(f"blocks_per_unit={self.blocks_per_unit} must be >= 1 (1: a unit per block, as FSDP2)")
+        if self.precision.stochastic_rounding and not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed={self.seed}: stochastic rounding hashes a 32-bit seed, use one in [0, 2^32)")
         if self.stage == 0 and self.precision != kernels.Precision():
             raise ValueError("master_weights / state_dtype / stochastic_rounding choose what ZeRO's fused step "
                              "stores: use zero_stage=1, 2 or 3 (stage 0 is torch's AdamW on fp32 params)")
