@@ -176,12 +176,10 @@ def join_master(param, remainder):
 # half of a hash of (rounding_seed, step, index in the full flat buffer): no RNG state, a resumed run re-rounds
 # identically, and it does not depend on how the buffer is sharded. The hash chains Chris Wellons' 32-bit integer
 # mixer "lowbias32" (x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16): a key per step,
-# key = mix(mix(seed) ^ step), then one mix an element, h = mix(f * (key | 1) + key mod 2^32), of the index's low half
-# with its high half folded in (f = lo ^ hi * 0x9e3779b9: models > 2^32 params). The odd multiplier, new each step,
-# makes the difference between an element's inputs of two steps depend on the element (with lo ^ key it would be one
-# xor for all, a structure a single mix may not fully hide; no test here measures it). One mix, not two: the second was 6 of the CUDA stochastic
-# 8-bit step's 133 instructions an element, a step bound by what it issues; without it that step took 0.96x the time
-# on one H200, 0.97x on 2 CPU cores (assets/kernels_8bit.md).
+# key = mix(mix(seed) ^ step), then one mix an element, h = mix(f * (key | 1) + key mod 2^32), f = lo ^ hi * 0x9e3779b9
+# (the index's halves: models > 2^32 params). The odd multiplier, new each step, makes an element's inputs of two steps
+# differ by an amount of its own (lo ^ key: one xor for all). One mix, not two: 0.96x the CUDA stochastic 8-bit step's
+# time on one H200 (6 of its 133 instructions an element), 0.97x on 2 CPU cores (assets/kernels_8bit.md).
 
 def _mul32(x, c):
     """x * c mod 2^32 for x < 2^32 in int64, without overflow: each partial product is < 2^48."""
