@@ -16,7 +16,8 @@ everything, written by rank 0 as a 1-rank layout.
 (with every file's size and CRC-32, which each rank takes of the bytes as it writes them) and renames the directory
 to ckpt-N. A rename is atomic, so a crash at any moment leaves either no ckpt-N or a complete one; resume takes the
 newest directory with a manifest and checks every file against it: its size at once, its CRC-32 before a byte of it
-is used (verify: a file changed on disk or in a copy, even at its size, is one line naming it). Leftover .tmp
+is used (verify: a file changed on disk or in a copy, even at its size, is found before a byte of it is used;
+[Note: a damaged checkpoint] says what happens then). Leftover .tmp
 directories are removed by the next save, and only the newest keep_last complete checkpoints stay (the manifest is
 deleted first, so a crash while pruning cannot leave a directory that looks complete). A restarted worker (torchrun
 --max-restarts=N; train.py keeps each attempt's rendezvous apart, see comm.restart_store) resumes from the newest
@@ -192,8 +193,7 @@ def sync_directory(path):
 def prune(out_dir, keep_last):
     """Delete all but the newest keep_last complete checkpoints, each manifest first: a crash while deleting
     leaves a directory without a manifest (ignored, and deleted next time), never one that looks complete."""
-    complete = sorted(os.path.dirname(m) for m in glob.glob(os.path.join(out_dir, 'ckpt-*[0-9]', 'manifest.json')))
-    for old in set(glob.glob(os.path.join(out_dir, 'ckpt-*[0-9]'))) - set(complete[-keep_last:]):
+    for old in set(glob.glob(os.path.join(out_dir, 'ckpt-*[0-9]'))) - set(complete(out_dir)[-keep_last:]):
         if os.path.exists(os.path.join(old, 'manifest.json')):
             os.remove(os.path.join(old, 'manifest.json'))
         shutil.rmtree(old, ignore_errors=True)
@@ -225,41 +225,51 @@ def fault_point(where, iteration):
 # find, check, read
 
 
+def complete(out_dir):
+    """The complete checkpoint directories in out_dir (those with a manifest), oldest first."""
+    return sorted(os.path.dirname(m) for m in glob.glob(os.path.join(out_dir, 'ckpt-*[0-9]', 'manifest.json')))
+
+
 def latest(out_dir):
     """The newest complete checkpoint directory in out_dir, or None."""
-    done = sorted(glob.glob(os.path.join(out_dir, 'ckpt-*[0-9]', 'manifest.json')))
-    return os.path.dirname(done[-1]) if done else None
+    return (complete(out_dir) or [None])[-1]
 
 
 def read_manifest(path):
-    """The manifest, after checking the format and that every file is there with its full size."""
+    """The manifest, after checking the format and that every file is there with its full size. Damaged: the
+    checkpoint no longer holds what was saved; ValueError: it was saved by a nanozero of another format."""
     where = os.path.join(path, 'manifest.json')
     try:
         with open(where) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{where}: not a readable manifest ({e})") from None
+        raise Damaged(f"{where}: not a readable manifest ({e})") from None
     if not isinstance(manifest, dict):
-        raise ValueError(f"{where}: a JSON {type(manifest).__name__}, not a manifest nanozero wrote")
+        raise Damaged(f"{where}: a JSON {type(manifest).__name__}, not a manifest nanozero wrote")
     if manifest.get('format') != FORMAT:
         raise ValueError(f"{where}: format version {manifest.get('format')!r}, this nanozero reads {FORMAT}")
     missing = [k for k in ('iter_num', 'files', 'layout', 'model_args', 'config', 'stage', 'world_size') if k not in manifest]
     if missing:
-        raise ValueError(f"{where}: no {', '.join(missing)}: not a manifest nanozero wrote (or one edited by hand)")
+        raise Damaged(f"{where}: no {', '.join(missing)}: not a manifest nanozero wrote (or one edited by hand)")
     files, crc32 = manifest['files'], manifest.get('crc32', {})  # no crc32: saved before checksums
     if not isinstance(files, dict) or not isinstance(crc32, dict) or crc32 and (
             set(crc32) != set(files) or any(type(v) is not int for v in crc32.values())):
-        raise ValueError(f"{where}: its files and their CRC-32s do not match up: not a manifest nanozero wrote")
+        raise Damaged(f"{where}: its files and their CRC-32s do not match up: not a manifest nanozero wrote")
     for name, size in files.items():
         file = os.path.join(path, name)
         if not os.path.exists(file):
-            raise ValueError(f"{file} is missing (the manifest lists it): the checkpoint is incomplete")
+            raise Damaged(f"{file} is missing (the manifest lists it): the checkpoint is incomplete")
         if os.path.getsize(file) != size:
-            raise ValueError(f"{file} is truncated or changed: {os.path.getsize(file):,} bytes, the manifest says {size:,}")
+            raise Damaged(f"{file} is truncated or changed: {os.path.getsize(file):,} bytes, the manifest says {size:,}")
     return manifest
 
 
-class ChangedFile(ValueError):
+class Damaged(ValueError):
+    """A checkpoint that no longer holds what was saved: a file missing, cut short or changed, or a manifest that
+    nanozero did not write. [Note: a damaged checkpoint]"""
+
+
+class ChangedFile(Damaged):
     """A shard file that no longer holds what was saved; every rank of the load raises it (verify)."""
 
 
@@ -279,8 +289,7 @@ def verify(path, manifest, comm=None):
     if bad:
         more = f', as did {len(bad) - 1} more' * (len(bad) > 1)
         raise ChangedFile(f"{os.path.join(path, bad[0])} does not match the CRC-32 its manifest holds (or cannot be "
-                          f"read): it changed after it was saved (a disk or copy error){more}; use an earlier "
-                          f"checkpoint (move this ckpt-* directory aside)")
+                          f"read): it changed after it was saved (a disk or copy error){more}")
 
 
 def crc32_of(file):
@@ -324,22 +333,31 @@ def claim(out_dir):
     return lock
 
 
-def find_resume(cfg, model_args):
-    """(path, manifest) to resume from, or None. init_from='resume' needs a checkpoint; a worker restarted by
-    torchrun (--max-restarts) resumes from the newest complete one when there is one. Every problem is a
-    ValueError naming the file, raised before any training step."""
+def find_resume(cfg, model_args, before=None):
+    """(path, manifest, damaged) to resume from, or None. init_from='resume' needs a checkpoint; a worker restarted by
+    torchrun (--max-restarts) resumes from the newest complete one when there is one. Newer ones found Damaged are
+    passed over, (path, why) each in damaged, for load() to set aside ([Note: a damaged checkpoint]); every other
+    problem is a ValueError naming the file, raised before any training step. before: only older ones (load's)."""
     restarted = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)) > 0
-    path = latest(cfg['out_dir'])
+    found = [p for p in complete(cfg['out_dir']) if before is None or p < before]
     if cfg['init_from'] != 'resume' and not restarted:
-        if path is not None:
-            raise ValueError(f"{path} is a checkpoint of an earlier run and init_from='scratch': continue it with "
+        if found:
+            raise ValueError(f"{found[-1]} is a checkpoint of an earlier run and init_from='scratch': continue it with "
                              f"init_from='resume', or start over in another out_dir (or delete its ckpt-* directories)")
         return None
-    if path is None and restarted:  # died before its first checkpoint: start over
+    if not found and restarted:  # died before its first checkpoint: start over
         return None
-    if path is None:
+    if not found:
         raise ValueError(f"init_from='resume': no complete checkpoint (ckpt-*/manifest.json) in {cfg['out_dir']}")
-    manifest = read_manifest(path)
+    damaged = []
+    for path in reversed(found):
+        try:
+            manifest = read_manifest(path)
+            break
+        except Damaged as e:
+            damaged.append((path, str(e)))
+    else:
+        raise Damaged(f"{damaged[0][1]}; no older checkpoint to fall back on" + " that is not damaged too" * (len(found) > 1))
     if manifest['iter_num'] >= cfg['max_iters'] and not (restarted or cfg['eval_only']):
         raise ValueError(f"{path} is at iteration {manifest['iter_num']} and max_iters={cfg['max_iters']}: nothing is "
                          f"left to train; raise max_iters (or evaluate it with eval_only=True)")
@@ -349,7 +367,29 @@ def find_resume(cfg, model_args):
         what = ', '.join(f"{k}={old} (the config says {new})" for k, (old, new) in differ.items())
         raise ValueError(f"{path}/manifest.json was saved by another model: {what}; resume with the same model "
                          f"or use another out_dir")
-    return path, manifest
+    return path, manifest, damaged
+
+# [Note: a damaged checkpoint] A file missing, cut short, changed at its size (its CRC-32, verify) or a manifest that
+# nanozero did not write: the checkpoint no longer holds what was saved, and no retry will change that. A resume then
+# falls back to the newest one before it that is whole (keep_last keeps 2 by default), and rank 0 renames the damaged
+# directory ckpt-N.damaged: kept for a look (it can be moved back), never resumed from or pruned, and out of the way of
+# the save that writes ckpt-N again. Each rank decides from the same files (read_manifest) or the same MAX over ranks
+# (verify), so all fall back alike, and load() checks that they resumed the same iteration. Under torchrun
+# --max-restarts a damaged newest checkpoint so costs the iterations since the one before, not the job. With nothing
+# whole to fall back on, it is the one-line error it always was. A manifest of another format is not damage (a newer
+# nanozero wrote it), nor a checkpoint of another model: those stay errors.
+
+
+def set_aside(damaged, rank, log):
+    """Rank 0 renames each damaged checkpoint ckpt-N.damaged ([Note: a damaged checkpoint]); every rank says so."""
+    for path, why in damaged:
+        aside, k = path + '.damaged', 2
+        while os.path.exists(aside):  # damaged once before at this iteration: ckpt-N.2.damaged, ...
+            aside, k = f"{path}.{k}.damaged", k + 1
+        if rank == 0:
+            os.rename(path, aside)
+            sync_directory(os.path.dirname(path) or '.')
+        log(f"warning: {why}; set aside as {os.path.basename(aside)}, resuming from an older checkpoint")
 
 
 class Shards:
@@ -415,9 +455,11 @@ def resume_notes(manifest, zero_cfg, cfg=None):
     return notes
 
 
-def load(engine, path, manifest, log=print, cfg=None):
+def load(engine, path, manifest, damaged=(), log=print, cfg=None):
     """Restore the optimizer state, params and counters; returns (iter_num, best_val_loss). cfg (the run's config):
-    say what the resumed run changes in how it stores the state or draws its batches."""
+    say what the resumed run changes in how it stores the state or draws its batches, and fall back past a checkpoint
+    that verify finds damaged. damaged: find_resume's, set aside first ([Note: a damaged checkpoint])."""
+    set_aside(damaged, engine.comm.rank, log)
     same = (manifest['stage'] == engine.stage and manifest['layout'] == layout(engine)
             and manifest['world_size'] == engine.comm.world_size
             and manifest['precision'] == vars(engine.cfg.precision) and manifest['param_dtype'] == str(engine.cfg.param_dtype)[6:])
@@ -425,7 +467,14 @@ def load(engine, path, manifest, log=print, cfg=None):
         f"rank(s){'' if same else f'; rebuilding the shards for stage {engine.stage} on {engine.comm.world_size} rank(s)'})")
     for line in resume_notes(manifest, engine.cfg, cfg):
         log(line)
-    verify(path, manifest, engine.comm)
+    try:
+        verify(path, manifest, engine.comm)
+    except ChangedFile as e:
+        if cfg is None or not any(p < path for p in complete(os.path.dirname(path))):
+            raise
+        older = find_resume(cfg, manifest['model_args'], before=path)
+        return load(engine, *older[:2], [(path, str(e))] + older[2], log=log, cfg=cfg)
+    engine.comm.check_same('checkpoint', [manifest['iter_num']], "out_dir must be one directory that every rank sees")
     shards = Shards(path, manifest)
     with torch.no_grad():
         if engine.stage == 0:

@@ -132,7 +132,7 @@ class Comm:
         src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
         dist.broadcast(tensor, src=src, group=self.process_group)
 
-    def check_same(self, what, values):
+    def check_same(self, what, values, fix="every rank must build the same model with the same config"):
         """Fail fast, instead of hanging or training on garbage, if the ranks built different layouts."""
         if self.fake:
             return  # nobody else to compare with: the all-gather would return our own values at best
@@ -141,8 +141,7 @@ class Comm:
         ALL_GATHER(every, mine, group=self.process_group)  # not counted: start-up only
         for r, theirs in enumerate(every.view(self.world_size, -1).tolist()):
             if theirs != values:
-                raise RuntimeError(f"rank {r} has a different {what} than rank {self.rank} ({theirs} vs {values}): "
-                                   "every rank must build the same model with the same config")
+                raise RuntimeError(f"rank {r} has a different {what} than rank {self.rank} ({theirs} vs {values}): {fix}")
 
 # -----------------------------------------------------------------------------
 # A run's process group: its start (start_process_group, restart_store) and its end (end_process_group)

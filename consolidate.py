@@ -64,6 +64,8 @@ if __name__ == '__main__':
     args = parser.parse_args()
     try:
         manifest = consolidate(args.path, args.output, getattr(torch, args.dtype))
+    except checkpoint.Damaged as e:  # no fallback here: the user names the checkpoint
+        sys.exit(f"checkpoint error: {e}; name an older ckpt-* directory")
     except ValueError as e:
         sys.exit(f"checkpoint error: {e}")
     print(f"{args.output}: iteration {manifest['iter_num']}, {args.dtype}, from stage {manifest['stage']} on "

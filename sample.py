@@ -80,8 +80,8 @@ def main(argv=None):
     path = args.ckpt or args.out_dir
     try:
         model, info = load_model(path)
-    except checkpoint.ChangedFile as e:
-        raise SystemExit(f"cannot sample from {path}: {e}")
+    except checkpoint.Damaged as e:
+        raise SystemExit(f"cannot sample from {path}: {e}; name an older ckpt-* directory")
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"cannot sample from {path}: {e} (train first: train.py saves a checkpoint at each eval "
                          "that improves)")

@@ -611,11 +611,14 @@ def test_sample_py_decodes_gpt2_tokens_offline_from_the_bpe_files_beside_meta_js
 # clear errors: the file and what is wrong, before any training step
 
 
-def broken(tmp_path, how):
-    """A copy of straight_run's out_dir whose newest checkpoint is broken `how`; (out_dir, what the error says)."""
+def broken(tmp_path, how, older=False):
+    """A copy of straight_run's out_dir whose newest checkpoint is broken `how`; (out_dir, what the error says).
+    older: keep the checkpoints before it (6-9) to fall back on; else ckpt-10 is the only one."""
     out_dir = str(tmp_path / 'out')
     shutil.copytree(straight_run()[0], out_dir)
     newest = ckpt(out_dir, 10)
+    for it in range(6, 10) if not older else ():
+        shutil.rmtree(ckpt(out_dir, it))
     if how == 'missing shard':
         os.remove(os.path.join(newest, 'rank00001.pt'))
         return out_dir, f"{newest}/rank00001.pt is missing (the manifest lists it)"
@@ -650,8 +653,8 @@ def broken(tmp_path, how):
     return out_dir, f"{newest}/manifest.json was saved by another model: n_layer=2 (the config says 3)"
 
 
-ERRORS = ['another model', 'missing shard', 'truncated shard', 'changed shard', 'a crc32 short of a file', 'unknown format',
-          'a list manifest', 'no layout', 'nothing left to train']
+DAMAGE = ['missing shard', 'truncated shard', 'changed shard', 'a crc32 short of a file', 'a list manifest', 'no layout']
+ERRORS = ['another model', 'unknown format', 'nothing left to train'] + DAMAGE
 
 
 @pytest.mark.parametrize('how', ERRORS)
@@ -660,9 +663,84 @@ def test_bad_checkpoint_is_an_error_naming_the_file_and_the_problem(tmp_path, ho
     cfg = {**CFG, 'out_dir': out_dir, 'init_from': 'resume', 'n_layer': 3 if how == 'another model' else 2,
            'max_iters': 10 if how == 'nothing left to train' else 1000}
     with pytest.raises(ValueError) as e:
-        path, manifest = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+        path, manifest, damaged = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
         checkpoint.verify(path, manifest)  # as load() does before it reads a file
-    assert message in str(e.value)
+    assert message in str(e.value) and isinstance(e.value, checkpoint.Damaged) == (how in DAMAGE)
+    assert sorted(os.listdir(out_dir)) == ['.lock', 'ckpt-00000010']  # nothing set aside: nothing to fall back on
+
+
+@pytest.mark.parametrize('how', ERRORS)
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before_and_nothing_else_is(tmp_path, how):
+    """[Note: a damaged checkpoint] find_resume: a newest checkpoint found damaged by its manifest and sizes is passed
+    over for ckpt-9 (load sets it aside: the next test); a changed shard is verify's to find (load's), another
+    format, another model or nothing left to train stay errors. With ckpt-9 damaged too, ckpt-8."""
+    out_dir, message = broken(tmp_path, how, older=True)
+    cfg = {**CFG, 'out_dir': out_dir, 'init_from': 'resume', 'n_layer': 3 if how == 'another model' else 2,
+           'max_iters': 10 if how == 'nothing left to train' else 1000}
+    if how not in DAMAGE:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+        return
+    path, manifest, damaged = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+    if how == 'changed shard':  # its manifest and sizes are whole
+        assert (path, damaged) == (ckpt(out_dir, 10), [])
+        return
+    assert (path, manifest['iter_num']) == (ckpt(out_dir, 9), 9) and len(damaged) == 1
+    assert damaged[0][0] == ckpt(out_dir, 10) and message in damaged[0][1]
+    os.remove(os.path.join(ckpt(out_dir, 9), 'rank00000.pt'))
+    assert [p for p, _ in checkpoint.find_resume(cfg, train.model_args(cfg, 128))[2]] == [ckpt(out_dir, 10), ckpt(out_dir, 9)]
+    logged = []
+    checkpoint.set_aside([(ckpt(out_dir, 10), 'why')], 0, logged.append)
+    os.makedirs(ckpt(out_dir, 10))  # damaged twice at one iteration: the second is set aside beside the first
+    checkpoint.set_aside([(ckpt(out_dir, 10), 'why')], 0, logged.append)
+    assert sorted(os.listdir(out_dir))[-2:] == ['ckpt-00000010.2.damaged', 'ckpt-00000010.damaged']
+    assert logged[0] == "warning: why; set aside as ckpt-00000010.damaged, resuming from an older checkpoint"
+    assert checkpoint.latest(out_dir) == ckpt(out_dir, 9)  # neither name is a checkpoint to resume or to prune
+
+
+def test_train_py_resumes_past_a_changed_newest_checkpoint_and_ends_as_the_straight_run():
+    """[Note: a damaged checkpoint] Under torchrun, 2 ranks: ckpt-10's rank-1 file changed at its size. Rank 1 finds
+    it (verify reads file i on rank i), both ranks fall back to ckpt-9, rank 0 sets ckpt-10 aside, and the run
+    retrains iteration 10 into a new ckpt-10 equal to the straight run's bit for bit. Before, each restart stopped
+    at the same one-line error until someone moved ckpt-10 aside by hand."""
+    out_dir = scratch_dir('fallback')
+    shutil.rmtree(out_dir)
+    shutil.copytree(straight_run()[0], out_dir)
+    newest = ckpt(out_dir, 10)
+    with open(os.path.join(newest, 'rank00001.pt'), 'r+b') as f:
+        f.seek(os.path.getsize(f.name) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    log = torchrun(2, f'--out_dir={out_dir}', *RUN, '--max_iters=11', '--init_from=resume')
+    lines = [line for line in log.splitlines() if line.startswith(('resuming from', 'warning: '))]
+    assert lines[0].startswith(f'resuming from {newest} (iteration 10')
+    assert lines[1] == (f"warning: {newest}/rank00001.pt does not match the CRC-32 its manifest holds (or cannot be read): "
+                        "it changed after it was saved (a disk or copy error); set aside as ckpt-00000010.damaged, "
+                        "resuming from an older checkpoint")
+    assert lines[2].startswith(f'resuming from {ckpt(out_dir, 9)} (iteration 9') and 'iter 10: loss' in log
+    assert os.path.exists(os.path.join(out_dir, 'ckpt-00000010.damaged', 'rank00001.pt'))
+    assert_same_files(newest, ckpt(straight_run()[0], 10))
+
+
+def _load_on(rank, init_file, out_dir, said):
+    # two ranks that resume different checkpoints (an out_dir that is not one directory for both): a RuntimeError on
+    # each, before either trains
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
+    cfg = {**CFG, 'zero_stage': 2, 'out_dir': out_dir}
+    path = ckpt(out_dir, 10 - rank)
+    try:
+        checkpoint.load(build(cfg, None), path, checkpoint.read_manifest(path), log=QUIET)
+    except RuntimeError as e:
+        json.dump(str(e), open(f'{said}{rank}', 'w'))
+    comm.end_process_group(torch.device('cpu'))
+
+
+def test_ranks_that_resume_different_checkpoints_stop_before_training(tmp_path):
+    mp.spawn(_load_on, args=(str(tmp_path / 'init'), straight_run()[0], str(tmp_path / 'said')), nprocs=2)
+    said = [json.load(open(tmp_path / f'said{r}')) for r in (0, 1)]
+    assert said == [f"rank {1 - r} has a different checkpoint than rank {r} ([{9 + r}] vs [{10 - r}]): out_dir must "
+                    "be one directory that every rank sees" for r in (0, 1)]
 
 
 def test_a_checkpoint_saved_before_checksums_resumes_and_consolidates_as_before(tmp_path):
@@ -672,8 +750,8 @@ def test_a_checkpoint_saved_before_checksums_resumes_and_consolidates_as_before(
     manifest = json.load(open(os.path.join(path, 'manifest.json')))
     json.dump({k: v for k, v in manifest.items() if k != 'crc32'}, open(os.path.join(path, 'manifest.json'), 'w'))
     cfg = {**CFG, 'out_dir': out_dir, 'init_from': 'resume', 'max_iters': 1000}
-    found, old = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
-    assert 'crc32' not in old and found == path
+    found, old, damaged = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+    assert 'crc32' not in old and found == path and damaged == []
     checkpoint.verify(path, old)
     assert set(consolidate.full_state_dict(path)[0]) == set(consolidate.full_state_dict(straight_run()[0])[0])
 

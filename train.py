@@ -332,7 +332,7 @@ def main(cfg):
     log = print if master_process else (lambda *a, **k: None)
     prepare_data(cfg, rank)
     args = model_args(cfg, vocab_size(cfg))
-    resume = checkpoint.find_resume(cfg, args)  # None, or (path, manifest): errors before any training step
+    resume = checkpoint.find_resume(cfg, args)  # None, or (path, manifest, damaged): errors before any training step
     if cfg['zero_stage'] == 'auto':  # the lowest stage that fits in the least memory of any rank (memory.py)
         try:
             cfg['zero_stage'], line = memory.choose_stage(cfg, zero_config(cfg), device, world_size, args)
@@ -350,9 +350,9 @@ def main(cfg):
         kernels.announce_build(cfg['optimizer_impl'], device, log)
         impl = kernels.resolve_impl(cfg['optimizer_impl'], device)
     model, engine = build(cfg, device, args)
-    try:  # a shard file changed at its size, found by its CRC-32 (checkpoint.verify): every rank stops, rank 0 says so
+    try:  # damaged, with nothing whole to fall back on (a CRC-32 is checked here): every rank stops, rank 0 says so
         iter_num, best_val_loss = checkpoint.load(engine, *resume, log=log, cfg=cfg) if resume else (0, 1e9)
-    except checkpoint.ChangedFile as e:
+    except checkpoint.Damaged as e:
         sys.exit(f"config error: {e}" if master_process else 1)
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
     optimizer = 'torch AdamW' if cfg['zero_stage'] == 0 else f'kernels.adamw_step, impl={impl}, {engine.cfg.precision}'
