@@ -185,6 +185,8 @@ def link_clock(device, speedup):
 def timed_with_link(engine, link, batches, cfg, autocast, sync):
     """(step, blocked in waits, link busy) in seconds, on the link's clock (so --speedup scales it as it scales
     compute alone: the step before, without the link, read on the same clock)."""
+    if engine.comm.device.type == 'cuda':  # the link's spin clock is timed once (~25 ms of spinning): before t0
+        link.cuda_stream(engine.comm.device)
     engine.comm.use_link(link)
     link.reset()
     sync()

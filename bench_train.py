@@ -84,7 +84,7 @@ def bench_train(args):
     try:  # a bad key or value: one line now, not a traceback from the first job
         cfg = train.parse_config([args.config] + [f'--{kv}' for kv in args.set])
         cuda = torch.device(cfg['device']).type == 'cuda'
-        nproc = args.nproc or (torch.cuda.device_count() if cuda else 2)
+        nproc = args.nproc or (max(1, torch.cuda.device_count()) if cuda else 2)  # no GPU: check_config says so
         combos = variants(args.vary)
         if args.warm >= args.iters or args.runs < 1:
             raise ValueError(f"--warm={args.warm}, --iters={args.iters}, --runs={args.runs}: every job needs a timed "

@@ -97,7 +97,8 @@ def build(kind, cfg, device):
     args = train.model_args(cfg, train.vocab_size(cfg))
     if kind == 'ddp' or kind.startswith('zero'):
         return train.build({**cfg, 'zero_stage': 0 if kind == 'ddp' else int(kind[-1])}, device, args)[1]
-    model = GPT(GPTConfig(**args), seed=cfg['seed']).to(device)  # the same weights (meta init equals a plain GPT's)
+    with torch.device('cpu'):  # the same weights (meta init equals a plain GPT's), then on the run's device
+        model = GPT(GPTConfig(**args), seed=cfg['seed']).to(device)
     zcfg = train.zero_config(cfg)
     adamw = dict(lr=cfg['learning_rate'], betas=(zcfg.beta1, zcfg.beta2), eps=zcfg.eps)
     if kind == 'ddp+zero_redundancy':

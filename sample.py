@@ -30,7 +30,8 @@ def load_model(path):
         state = info.pop('model')
     else:
         state, info = consolidate.full_state_dict(path)
-    model = GPT(GPTConfig(**info['model_args']))
+    with torch.device('cpu'):  # beside the state; main() moves it to --device (a default device would build it there)
+        model = GPT(GPTConfig(**info['model_args']))
     model.load_state_dict(state, strict=True)
     return model.eval(), info
 

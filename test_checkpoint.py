@@ -549,6 +549,17 @@ def test_sample_py_prints_text_from_a_consolidated_file_and_from_a_checkpoint_di
     assert outs[0][0].split('\n', 1)[1] == outs[1][0].split('\n', 1)[1]  # the same fp32 weights, the same sample
 
 
+def test_sample_py_builds_the_model_on_the_cpu_whatever_the_default_device(tmp_path):
+    # under a default device (cuda, or meta here) the model was built there and then filled from the CPU state: on meta
+    # the load did nothing and main()'s .to(--device) failed (NotImplementedError: Cannot copy out of meta tensor)
+    consolidate.consolidate(straight_run()[0], str(tmp_path / 'model.pt'))
+    plain, _ = sample.load_model(str(tmp_path / 'model.pt'))
+    with torch.device('meta'):
+        model, info = sample.load_model(str(tmp_path / 'model.pt'))
+    assert info['iter_num'] == 10 and {p.device.type for p in model.parameters()} == {'cpu'}
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
+
+
 @pytest.mark.parametrize('args, message', [
     (['--temperature=0'], "--temperature=0.0: use a value > 0"), (['--top_k=0'], "--top_k=0: use at least 1"),
     (['--num_samples=0'], "--num_samples=0: use at least 1"), (['--start='], "--start is empty"),

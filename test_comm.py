@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import warnings
 from contextlib import nullcontext
 
@@ -117,6 +118,40 @@ def test_bench_link_fits_a_ring_exactly():
         points = [(nbytes, truth.seconds(kind, nbytes, 4)) for nbytes in (4096, 2**20, 2**24)]
         bandwidth, latency = bench_link.fit(points, 4, kind)
         assert (bandwidth, latency) == (pytest.approx(0.5e9, rel=1e-9), pytest.approx(300e-6, rel=1e-9))
+
+
+def test_on_cuda_bench_scale_reads_and_resets_the_gpus_peak_not_the_processes(monkeypatch):
+    # bench_scale.peak_bytes / reset_peak on CUDA, torch.cuda stood in for: the allocator's peak of that GPU, and
+    # /proc/self/clear_refs (the CPU's reset of VmHWM) left alone
+    asked, opened = [], []
+    monkeypatch.setattr(torch.cuda, 'max_memory_allocated', lambda device=None: asked.append(('peak', device)) or 123)
+    monkeypatch.setattr(torch.cuda, 'reset_peak_memory_stats', lambda device=None: asked.append(('reset', device)))
+    monkeypatch.setattr(bench_scale, 'open', lambda *a, **k: opened.append(a) or pytest.fail(f"opened {a}"), raising=False)
+    gpu = torch.device('cuda', 1)
+    bench_scale.reset_peak(gpu)
+    assert bench_scale.peak_bytes(gpu) == 123 and asked == [('reset', gpu), ('peak', gpu)] and not opened
+
+
+def test_on_cuda_a_links_spin_clock_is_timed_before_the_step_it_measures(monkeypatch):
+    # bench_scale.timed_with_link, torch.cuda stood in for: the link's first CUDA collective timed its spin clock (50M
+    # cycles spun and waited for, ~25 ms on an H200) inside the first timed step, so --quick's one step and its
+    # "exposed" time carried it. Now it is timed before the step's clock starts, and once. On a GPU:
+    # test_gpu.py's test_bench_scale_with_a_link_runs_on_cuda.
+    log = []
+
+    class LoggedClock(comm.Clock):
+        def now(self):
+            log.append('now')
+            return 0.0
+    monkeypatch.setattr(torch.cuda, 'Stream', lambda device: 'side')
+    monkeypatch.setattr(comm, 'cuda_cycles_per_second', lambda device: log.append(f'clock timed on {device}') or 1.5e9)
+    monkeypatch.setattr(bench_scale.train, 'train_step', lambda *a: log.append('step'))
+    gpu = torch.device('cuda', 0)
+    engine = types.SimpleNamespace(comm=types.SimpleNamespace(device=gpu, use_link=lambda link: None))
+    link = comm.Link(bandwidth=1e9, latency=1e-6, clock=LoggedClock())
+    for _ in range(2):
+        bench_scale.timed_with_link(engine, link, [], {'learning_rate': 1e-3}, None, lambda: None)
+    assert log == ['clock timed on cuda:0', 'now', 'step', 'now', 'now', 'step', 'now'], log
 
 
 def test_on_cuda_the_link_spins_a_side_stream_after_the_inputs_and_orders_the_current_stream_after_it(monkeypatch):

@@ -139,6 +139,9 @@ def jobs():
         ['--set=device=cuda', '--set=dtype=bfloat16'] if GPU else []), script='bench.py', torchrun=True)
     out['bench scale'] = functools.partial(run, 'bench scale', 'scale', '--quick', '--world=8', *bench_set, *(
         ['--set=device=cuda'] if GPU else []), script='bench.py', config=None)
+    out['bench train'] = functools.partial(run, 'bench train', 'train', '--vary=zero_stage=2,3', '--iters=3', '--warm=1',
+                                           *bench_set, *(['--set=device=cuda', '--set=dtype=bfloat16'] if GPU else
+                                                         ['--set=device=cpu', '--nproc=1']), script='bench.py', config=None)
     return out
 
 
@@ -314,6 +317,16 @@ def test_bench_zero_times_every_kind():
     assert {'ddp', 'zero1', 'zero2', 'zero3', 'fsdp2'} <= set(rows), log[-3000:]
 
 
+def test_bench_train_runs_on_the_gpu():
+    # bench_train's CUDA branch (its CPU stand-in: test_train.py's test_on_cuda_bench_train_runs_a_rank_a_gpu...): a rank
+    # a GPU without --nproc, and the memory column is train.py's max_memory_allocated line (the CPU dry run: peak RSS)
+    log = ok('bench train')
+    rows = [[c.strip() for c in line.strip('|').split('|')] for line in log.splitlines() if line.startswith('| zero')]
+    assert [r[0] for r in rows] == ['zero_stage=2', 'zero_stage=3'], log[-3000:]
+    assert ('max_memory_allocated GiB' if GPU else 'peak RSS GiB') in log and all(0 < float(r[5]) < 100 for r in rows), log
+    assert 'world size 1 (nccl), device cuda:0' in log if GPU else 'world size 1 (gloo), device cpu' in log
+
+
 def test_bench_scale_counts_what_the_estimator_says():
     log = ok('bench scale')
     table = {c[0]: c[1:] for c in ([x.strip() for x in line.strip('|').split('|')] for line in log.splitlines()
@@ -414,6 +427,35 @@ def test_stages_1_to_3_on_the_gpu_end_where_stage_0_ends(nccl_world):
         assert_same_run(run_stage(device, stage, torch.float32), base, rtol=1e-4, atol=1e-5, param_atol=2e-5)
     assert_same_run(run_stage(device, 3, torch.bfloat16), run_stage(device, 2, torch.bfloat16),
                     rtol=1e-4, atol=1e-5, param_atol=2e-5)
+
+
+def test_stage_0_steps_with_torchs_fused_adamw_on_the_gpu(nccl_world):
+    # zero.DataParallel asks for fused=is_cuda: the fused AdamW keeps each param's step count as a tensor on its device
+    # (its CPU stand-in: test_zero.py's test_stage_0_asks_torch_for_the_fused_adamw_only_on_a_gpu)
+    import zero
+    device = nccl_world
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)).to(device)
+    engine = zero.build_engine(model, zero.ZeroConfig(stage=0))
+    x = torch.randint(64, (2, 16), device=device)
+    engine.backward(engine.module(x, x)[1])
+    engine.step(1e-3)
+    steps = [s['step'] for s in engine.optimizer.state.values()]
+    assert engine.optimizer.defaults['fused'] is GPU and len(steps) == len(engine.params)
+    assert all(s.device == (device if GPU else torch.device('cpu')) and s.item() == 1 for s in steps)
+
+
+@cuda_only
+def test_a_batch_is_int64_on_the_gpu_and_equals_the_cpus():
+    # train.windows on CUDA: pinned, then copied without blocking the host (its CPU stand-in: test_train.py's
+    # test_on_cuda_a_batch_is_pinned_then_copied...); what arrives is what the CPU path makes
+    import numpy as np
+    import train
+    data = np.arange(1000, dtype=np.uint16)
+    rows = [3, 500, 900]
+    x, y = train.windows(data, rows, 32, torch.device('cuda', 0))
+    cx, cy = train.windows(data, rows, 32, torch.device('cpu'))
+    assert x.device == y.device == torch.device('cuda', 0) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x.cpu(), cx) and torch.equal(y.cpu(), cy) and torch.equal(cy[:, :-1], cx[:, 1:])
 
 
 @cuda_only

@@ -1058,6 +1058,53 @@ def test_an_arch_list_nvcc_cannot_take_falls_back_with_one_line_naming_it(monkey
         kernels.resolve_impl("cuda", torch.device("cuda"))
 
 
+def test_a_cuda_build_is_announced_once_and_needs_a_gpu_or_an_arch_list(monkeypatch, tmp_path):
+    # train.py's line before a first run builds the CUDA library (kernels.announce_build, impl='auto' on a GPU), and
+    # none once it is cached; with no GPU and no TORCH_CUDA_ARCH_LIST there is nothing to build for: one line
+    monkeypatch.setenv("NANOZERO_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    said = []
+    kernels.announce_build("auto", torch.device("cuda", 0), said.append)
+    kernels.cache_path("cuda").touch()
+    kernels.announce_build("auto", torch.device("cuda", 0), said.append)
+    assert said == [f"building the fused AdamW kernel for cuda (first run only, a few seconds; cached in "
+                    f"{kernels.cache_path('cuda')})"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"^no GPU to build for: set TORCH_CUDA_ARCH_LIST, e\.g\. 9\.0$"):
+        kernels._cuda_arch_flags()
+    kernels.announce_build("auto", torch.device("cuda", 0), said.append)  # resolve_impl will say why, not this
+    assert len(said) == 1
+
+
+def test_on_cuda_bench_times_each_fn_between_two_events_then_waits_for_the_gpu(monkeypatch):
+    # bench.time_ms's CUDA branch, torch.cuda's events stood in for: start recorded, the fn launched, end recorded,
+    # the host waits for the GPU, then the time between the events (on a GPU: test_gpu.py's bench kernels cases)
+    import bench
+    log = []
+
+    class Event:
+        count = 0
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            Event.count += 1
+            self.n = Event.count
+
+        def record(self):
+            log.append(("record", self.n))
+
+        def elapsed_time(self, end):
+            log.append(("elapsed", self.n, end.n))
+            return 2.0 + self.n
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: log.append(("sync",)))
+    times = bench.time_ms({"f": lambda: log.append(("fn",))}, torch.device("cuda", 0), repeats=3, warmup=1)
+    assert log[:6] == [("fn",), ("record", 1), ("fn",), ("record", 2), ("sync",), ("elapsed", 1, 2)]
+    assert len(log) == 16 and times == {"f": pytest.approx(5.0)}  # the median of 3, 5, 7
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                     reason="no nvcc: cannot compile the CUDA source")
 def test_cuda_library_builds_for_sm90_with_nvcc_alone(monkeypatch, tmp_path):

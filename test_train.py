@@ -338,6 +338,32 @@ def test_bench_train_takes_turns_in_fresh_out_dirs_and_ratios_run_by_run(monkeyp
     assert rows[1][3] == '0.90x (0.90-0.90)' and rows[1][6] == '1.200x', rows
 
 
+def test_on_cuda_bench_train_runs_a_rank_a_gpu_and_reports_max_memory_allocated(monkeypatch, capsys):
+    # bench_train's CUDA branch, the GPUs stood in for: a job gets one rank per GPU (torch.cuda.device_count) and the
+    # memory column is train.py's own max_memory_allocated line, not the RSS; with no GPU, one line (before: nproc 0,
+    # and a ZeroDivisionError in check_config). On a GPU: test_gpu.py's test_bench_train_runs_on_the_gpu.
+    jobs = []
+
+    def fake_job(args, variant, nproc, out_dir):
+        jobs.append(nproc)
+        return ("world size 2 (nccl), device cuda:0, dtype bfloat16\n"
+                + ''.join(f"iter {i}: loss 1.0, time 10.00ms, tok/s 1,000, lr 1e-4\n" for i in range(1, 4))
+                + f"cuda max_memory_allocated after iteration 3: {2.5 + len(jobs):.2f} GiB\n"), 99.0
+    monkeypatch.setattr(bench_train, 'run_job', fake_job)
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
+    args = argparse.Namespace(config='config/shakespeare_cpu.py', set=['device=cuda', 'backend=nccl'],
+                              vary=['zero_stage=2,3'], runs=1, iters=3, warm=1, nproc=None)
+    bench_train.bench_train(args)
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip('|').split('|')] for line in out.splitlines() if line.startswith('| zero')]
+    assert jobs == [2, 2] and 'max_memory_allocated GiB' in out and [r[5] for r in rows] == ['3.500', '4.500'], out
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)
+    with pytest.raises(SystemExit, match=r"^bench.py train: device='cuda'.*is_available\(\) is False here\)$"):
+        bench_train.bench_train(args)
+
+
 def test_bench_train_reads_iterations_after_the_warm_ones_and_the_last_memory_line():
     log = ("world size 8 (nccl), device cuda:0, dtype bfloat16, tokens per iteration 1\n"
            "iter 1: loss 9.0, time 900.00ms, tok/s 1,000, lr 1e-4, norm 1.0, mfu 1.00%, sent all_gather 2.00Ψ\n"

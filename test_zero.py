@@ -570,6 +570,21 @@ def test_each_rank_draws_only_its_shard_and_rank_0_of_8_and_of_64_hold_the_same_
             dist.destroy_process_group()
 
 
+def test_stage_0_asks_torch_for_the_fused_adamw_only_on_a_gpu(tmp_path):
+    # zero.DataParallel's fused=params[0].is_cuda: torch's fused AdamW on a GPU (test_gpu.py's
+    # test_stage_0_steps_with_torchs_fused_adamw_on_the_gpu), the plain one here, where a CPU step count stays a CPU tensor
+    dist.init_process_group('gloo', init_method=f'file://{tmp_path}/init', rank=0, world_size=1)
+    try:
+        engine = zero.build_engine(tiny_model(0), zero.ZeroConfig(stage=0))
+        x = torch.randint(TINY['vocab_size'], (2, TINY['block_size']))
+        engine.backward(engine.module(x, x)[1])
+        engine.step(1e-3)
+        assert engine.optimizer.defaults['fused'] is False
+        assert all(s['step'].device.type == 'cpu' for s in engine.optimizer.state.values())
+    finally:
+        dist.destroy_process_group()
+
+
 def test_stages_1_to_3_build_and_step_bit_for_bit_the_same_under_a_meta_default_device():
     # On a GPU, a tensor the engine makes without naming its device lands on the CPU beside CUDA tensors. On the CPU
     # the same leak shows under a 'meta' default device: the engine's build and every step (accumulation, clipping,
@@ -600,6 +615,11 @@ def test_no_tensor_is_made_without_naming_its_device_outside_a_modules_init():
                     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in factories
                     and ast.unparse(node.func.value) == 'torch' and not any(k.arg == 'device' for k in node.keywords)
                     and id(node) not in in_init]
+        # a model built outside `with torch.device(...)` is built on the default device (sample.py's was, then moved)
+        placed = {id(n) for w in ast.walk(tree) if isinstance(w, ast.With) and any(
+            ast.unparse(item.context_expr).startswith('torch.device(') for item in w.items) for n in ast.walk(w)}
+        unnamed += [f'{f}:{node.lineno} {ast.unparse(node)[:60]}' for node in ast.walk(tree) if isinstance(node, ast.Call)
+                    and ast.unparse(node.func) in ('GPT', 'model.GPT') and id(node) not in placed]
     assert len(files) > 10 and 'model.py' in files and not unnamed, unnamed
 
 
