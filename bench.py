@@ -47,6 +47,7 @@ import bench_scale
 import bench_train
 import bench_zero
 import kernels
+import library
 
 # ----------------------------------------------------------------------------
 # timing
@@ -190,14 +191,14 @@ def library_at(rev, impl):
         return done.stdout
     source = show("adamw_cpu.cpp" if impl == "cpu" else "adamw.cu")
     try:
-        return kernels._build(impl, source.replace('#include "adamw_common.h"', show("adamw_common.h")))
-    except RuntimeError as e:  # e.g. its AdamWArgs has other fields than kernels.AdamWArgs
+        return library.build(impl, source.replace('#include "adamw_common.h"', show("adamw_common.h")))
+    except RuntimeError as e:  # e.g. its AdamWArgs has other fields than library.AdamWArgs
         raise SystemExit(f"--against {rev}: {e}") from None
 
 
-def with_library(impl, library, fn):
-    """fn() with kernels.adamw_step(impl=impl) running library."""
-    ours, kernels._LIBRARIES[impl] = kernels._LIBRARIES[impl], library
+def with_library(impl, lib, fn):
+    """fn() with kernels.adamw_step(impl=impl) running lib (a library.Library)."""
+    ours, kernels._LIBRARIES[impl] = kernels._LIBRARIES[impl], lib
     try:
         fn()
     finally:
@@ -222,8 +223,8 @@ def mode_step(mode, shard, grad, step, impl):
                        weight_decay=0.1)
 
 
-def same_bits(impl, library, device, n=2**16):
-    """The modes in which `library` leaves every state tensor bit for bit as ours does after 3 steps (normal grads,
+def same_bits(impl, lib, device, n=2**16):
+    """The modes in which `lib` leaves every state tensor bit for bit as ours does after 3 steps (normal grads,
     and zero, tiny and huge ones: sqrt's and the divide's slow paths, all-zero blocks)."""
     torch.manual_seed(1)
     weights, grad = torch.randn(n, device=device), torch.randn(n, device=device)
@@ -236,7 +237,7 @@ def same_bits(impl, library, device, n=2**16):
         ours, theirs = mode_shard(mode, n, device, weights), mode_shard(mode, n, device, weights)
         for step in (1, 2, 3):
             mode_step(mode, ours, grad, step, impl)
-            with_library(impl, library, functools.partial(mode_step, mode, theirs, grad, step, impl))
+            with_library(impl, lib, functools.partial(mode_step, mode, theirs, grad, step, impl))
         if all(torch.equal(a, b) for a, b in zip(as_bytes(ours), as_bytes(theirs))):
             same.append(mode[0])
     return same
@@ -249,8 +250,8 @@ def bench_modes(device, sizes, grad_dtype, against=None):
     if against and impl == "reference":
         raise SystemExit(f"--against needs the {device.type} kernel, and it does not build here (see the warning)")
     baselines = {rev: library_at(rev, impl) for rev in against.split(",")} if against else {}
-    for rev, library in baselines.items():
-        same = same_bits(impl, library, device)
+    for rev, lib in baselines.items():
+        same = same_bits(impl, lib, device)
         print(f"{rev}: the same bits as ours after 3 steps in " + (
             "every mode" if len(same) == len(PRECISION_MODES) else f"{len(same)} of {len(PRECISION_MODES)} modes, "
             f"not in: {', '.join(m[0] for m in PRECISION_MODES if m[0] not in same)}"))
@@ -269,8 +270,8 @@ def bench_modes(device, sizes, grad_dtype, against=None):
         fns = {}
         for mode in PRECISION_MODES:
             fns[mode[0]] = functools.partial(mode_step, mode, mode_shard(mode, n, device, weights), grad, 10, impl)
-            for rev, library in baselines.items():
-                fns[mode[0], rev] = functools.partial(with_library, impl, library, fns[mode[0]])
+            for rev, lib in baselines.items():
+                fns[mode[0], rev] = functools.partial(with_library, impl, lib, fns[mode[0]])
         ms = time_ms(fns, device, repeats=max(10, min(100, 2**26 // n)))
         for name, master_dtype, param_dtype, state_dtype, _ in PRECISION_MODES:
             moved = bytes_moved(master_dtype, param_dtype, state_dtype, grad_dtype)

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import kernels
+import library
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8)
 # Kernel vs reference, fp32 outputs: rtol 1e-6 is ~8 ulps. The kernels round every op correctly; the reference
@@ -495,7 +496,7 @@ def test_dividing_by_the_reciprocal_equals_the_divide():
     # the whole domain [2^-64, 2^64] (random mantissas, the ends, 1 and 1 - ulp, where r = 1 / d rounds hardest, and
     # bias_correction2_sqrt's [2^-27, 1]), each against ~1.5 million x: quotients from 2^-80 to 2^92 (random), every
     # 62,464th fp32 in [0, 1] times d, the same less an ulp, and inf, NaN, 0 and the smallest subnormal.
-    check = ctypes.CDLL(str(host_library((kernels.CSRC / "adamw_common.h").read_text() + DIVIDE_CHECK,
+    check = ctypes.CDLL(str(host_library((library.CSRC / "adamw_common.h").read_text() + DIVIDE_CHECK,
                                          "divide_check"))).check
     check.argtypes, check.restype = [ctypes.c_void_p, ctypes.c_long, ctypes.c_float], ctypes.c_long
     gen = torch.Generator().manual_seed(7)
@@ -757,7 +758,7 @@ def test_the_librarys_bf16_cast_is_cast_params_bit_for_bit_on_the_masters_device
 def test_every_openmp_if_on_a_simd_loop_names_the_parallel_construct():
     # OpenMP 5.0: an if clause on `parallel for simd` without a modifier applies to the simd too, so below its
     # threshold the loop ran scalar (GCC 12: the cast of a 65,536-element shard took 42 us, 6 us with `if(parallel:`)
-    source = re.sub(r"\\\n", " ", kernels.CPU_SOURCE)  # a pragma continued over lines is one line
+    source = re.sub(r"\\\n", " ", library.CPU_SOURCE)  # a pragma continued over lines is one line
     pragmas = re.findall(r"^[ \t]*#[ \t]*pragma[ \t]+omp\b(.*)$", source, flags=re.MULTILINE)
     combined = [p for p in pragmas if re.search(r"\bparallel\b", p) and re.search(r"\bsimd\b", p)]
     assert any(re.search(r"\bif\s*\(", p) for p in combined), "no `parallel ... simd if(...)` left: look elsewhere"
@@ -940,19 +941,19 @@ static void host_launch(Kernel kernel, unsigned grid, unsigned block, Args... ar
 def host_library(source, name):
     """source compiled for the host as the kernels' IEEE arithmetic needs it (no fma contraction), cached like the
     kernels' own libraries: the path of name_<hash>.so."""
-    command = [kernels._compiler("cpu")[0], "-O2", "-march=native", "-ffp-contract=off", "-fno-math-errno",
+    command = [library._compiler("cpu")[0], "-O2", "-march=native", "-ffp-contract=off", "-fno-math-errno",
                "-std=c++17", "-shared", "-fPIC"]
     digest = hashlib.sha256("\0".join([source, *command]).encode()).hexdigest()[:16]
-    path = kernels.cache_path("cpu").parent / f"{name}_{digest}.so"
-    kernels.compile_library(source, command, path)
+    path = library.cache_path("cpu").parent / f"{name}_{digest}.so"
+    library.compile_library(source, command, path)
     return path
 
 
 @functools.cache
 def cuda_on_host_path():
     launch = re.compile(r"(\w+<[^<>;]*>)<<<(.*?), (\w+), 0, stream>>>\((.*?)\);")
-    assert len(launch.findall(kernels.CUDA_SOURCE)) == 6, "update the launch pattern to the CUDA source"
-    return host_library(HOST_CUDA_PRELUDE + launch.sub(r"host_launch(\1, \2, \3, \4);", kernels.CUDA_SOURCE),
+    assert len(launch.findall(library.CUDA_SOURCE)) == 6, "update the launch pattern to the CUDA source"
+    return host_library(HOST_CUDA_PRELUDE + launch.sub(r"host_launch(\1, \2, \3, \4);", library.CUDA_SOURCE),
                         "adamw_cuda_on_host")
 
 
@@ -970,7 +971,7 @@ def cuda_library_on_host():
 
 @functools.cache
 def cuda_library():
-    return kernels.Library(cuda_on_host_path())
+    return library.Library(cuda_on_host_path())
 
 
 @pytest.mark.parametrize("impl", [k for k in KERNELS if k.startswith("cuda")])
@@ -1039,7 +1040,7 @@ def test_the_cuda_build_always_includes_the_gpu_at_hand(monkeypatch, archs, gpu,
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", archs)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu is not None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: gpu)
-    flags = [f for f in kernels._cuda_arch_flags() if "code=sm_" in f]
+    flags = [f for f in library._cuda_arch_flags() if "code=sm_" in f]
     assert [f.rsplit("sm_", 1)[1] for f in flags] == built
 
 
@@ -1065,14 +1066,14 @@ def test_a_cuda_build_is_announced_once_and_needs_a_gpu_or_an_arch_list(monkeypa
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     said = []
     kernels.announce_build("auto", torch.device("cuda", 0), said.append)
-    kernels.cache_path("cuda").touch()
+    library.cache_path("cuda").touch()
     kernels.announce_build("auto", torch.device("cuda", 0), said.append)
     assert said == [f"building the fused AdamW kernel for cuda (first run only, a few seconds; cached in "
-                    f"{kernels.cache_path('cuda')})"]
+                    f"{library.cache_path('cuda')})"]
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match=r"^no GPU to build for: set TORCH_CUDA_ARCH_LIST, e\.g\. 9\.0$"):
-        kernels._cuda_arch_flags()
+        library._cuda_arch_flags()
     kernels.announce_build("auto", torch.device("cuda", 0), said.append)  # resolve_impl will say why, not this
     assert len(said) == 1
 
@@ -1111,29 +1112,29 @@ def test_cuda_library_builds_for_sm90_with_nvcc_alone(monkeypatch, tmp_path):
     # the real build, without torch's CUDA or a GPU: nvcc, the plain source, sm_90
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     monkeypatch.setenv("NANOZERO_CACHE", str(tmp_path))
-    path = kernels.cache_path("cuda")
-    kernels.compile_library(kernels.CUDA_SOURCE, kernels._command("cuda"), path)
+    path = library.cache_path("cuda")
+    library.compile_library(library.CUDA_SOURCE, library._command("cuda"), path)
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True).stdout
     assert {"adamw_step", "adamw_args_size", "adamw_error_string"} <= set(re.findall(r" T (\w+)", symbols))
     needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
     assert "libcudart.so" in needed  # the shared cudart: the one torch has loaded
-    cudart = os.path.join(os.path.dirname(os.path.dirname(kernels._compiler("cuda")[0])), "lib64", "libcudart.so")
+    cudart = os.path.join(os.path.dirname(os.path.dirname(library._compiler("cuda")[0])), "lib64", "libcudart.so")
     if os.path.exists(cudart):  # then it loads, and its struct has Python's layout
         ctypes.CDLL(cudart, mode=ctypes.RTLD_GLOBAL)
-        assert kernels.Library(path).lib.adamw_args_size() == ctypes.sizeof(kernels.AdamWArgs)
+        assert library.Library(path).lib.adamw_args_size() == ctypes.sizeof(library.AdamWArgs)
 
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                     reason="no nvcc: cannot compile the CUDA source")
 def test_the_8bit_cuda_kernel_fits_4_blocks_an_sm_without_spills(monkeypatch, tmp_path):
     # [Note: registers for occupancy] (csrc/adamw.cu): ptxas's own count for sm_90, every instance of the 8-bit kernel
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
-    (tmp_path / "adamw.cu").write_text(kernels.CUDA_SOURCE)
-    out = subprocess.run([*kernels._command("cuda"), "-Xptxas", "-v", "-o", "adamw.so", "adamw.cu"], cwd=tmp_path,
+    (tmp_path / "adamw.cu").write_text(library.CUDA_SOURCE)
+    out = subprocess.run([*library._command("cuda"), "-Xptxas", "-v", "-o", "adamw.so", "adamw.cu"], cwd=tmp_path,
                          capture_output=True, text=True)  # the real build, ptxas telling what it allocated
     assert out.returncode == 0, out.stderr[-2000:]
     # ptxas: "Compiling entry function '<name>' for 'sm_90'", then "... N bytes spill stores ..." and "Used N registers"
     entries = re.split(r"Compiling entry function '", out.stderr)[1:]
-    # on a GPU other than sm_90 the build adds its own arch (kernels._cuda_arch_flags): count sm_90's entries only
+    # on a GPU other than sm_90 the build adds its own arch (library._cuda_arch_flags): count sm_90's entries only
     block = [e for e in entries if e.startswith("_Z18adamw_block_kernel") and re.match(r"[^']*' for 'sm_90'", e)]
     assert len(block) == 28, len(block)  # 2 grad types x 7 weight policies x 2 layouts (vector, strided)
     for e in block:
@@ -1149,7 +1150,7 @@ def test_the_8bit_cuda_kernel_fits_4_blocks_an_sm_without_spills(monkeypatch, tm
 def test_build_is_attempted_once_per_process(monkeypatch):
     calls = []
     monkeypatch.setattr(kernels, "_LIBRARIES", {})
-    monkeypatch.setattr(kernels, "_build", lambda impl: calls.append(impl) or object())
+    monkeypatch.setattr(library, "build", lambda impl: calls.append(impl) or object())
     for _ in range(3):
         assert kernels.resolve_impl("auto") == "cpu"
         assert kernels.resolve_impl("cpu") == "cpu"
@@ -1177,7 +1178,7 @@ def test_failed_build_falls_back_to_reference_with_one_warning_and_forcing_raise
     def fail(impl):
         raise RuntimeError(f"{impl} build failed: simulated: no C++ compiler")
     monkeypatch.setattr(kernels, "_LIBRARIES", {})
-    monkeypatch.setattr(kernels, "_build", fail)
+    monkeypatch.setattr(library, "build", fail)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert kernels.resolve_impl("auto", torch.device("cpu")) == "reference"
@@ -1193,38 +1194,38 @@ def test_build_failures_say_why_in_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOZERO_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(RuntimeError, match=r"^cpu build failed: no C\+\+ compiler \(no-such-compiler\) on PATH$"):
-        kernels._build("cpu")
+        library.build("cpu")
     monkeypatch.delenv("CXX")
     with pytest.raises(RuntimeError, match=r"error.*undeclared|error.*not declared"):
-        kernels.compile_library(kernels.CPU_SOURCE + "int broken() { return undeclared; }",
-                                kernels._command("cpu"), tmp_path / "broken.so")
+        library.compile_library(library.CPU_SOURCE + "int broken() { return undeclared; }",
+                                library._command("cpu"), tmp_path / "broken.so")
     assert list(tmp_path.iterdir()) == [tmp_path / "broken.lock"]  # no half-written library left behind
 
 
 def test_cache_path_depends_on_source_flags_and_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOZERO_CACHE", str(tmp_path))
-    path = kernels.cache_path("cpu")
+    path = library.cache_path("cpu")
     assert path.parent == tmp_path and path.name.startswith("adamw_cpu_") and not path.exists()
-    monkeypatch.setattr(kernels, "CPU_FLAGS", kernels.CPU_FLAGS + ["-DOTHER"])
-    assert kernels.cache_path("cpu") != path
-    other_flags = kernels.cache_path("cpu")
-    monkeypatch.setattr(kernels, "CPU_SOURCE", kernels.CPU_SOURCE + "\n")
-    assert kernels.cache_path("cpu") not in (path, other_flags)
-    other_source = kernels.cache_path("cpu")
-    run = kernels._run  # another CPU: one more ISA extension among -march=native's macros
-    monkeypatch.setattr(kernels, "_run", lambda *c: run(*c) + ("\n#define __AVX512FP16__ 1" if "-dM" in c else ""))
-    assert kernels.cache_path("cpu") not in (path, other_flags, other_source)
+    monkeypatch.setattr(library, "CPU_FLAGS", library.CPU_FLAGS + ["-DOTHER"])
+    assert library.cache_path("cpu") != path
+    other_flags = library.cache_path("cpu")
+    monkeypatch.setattr(library, "CPU_SOURCE", library.CPU_SOURCE + "\n")
+    assert library.cache_path("cpu") not in (path, other_flags)
+    other_source = library.cache_path("cpu")
+    run = library._run  # another CPU: one more ISA extension among -march=native's macros
+    monkeypatch.setattr(library, "_run", lambda *c: run(*c) + ("\n#define __AVX512FP16__ 1" if "-dM" in c else ""))
+    assert library.cache_path("cpu") not in (path, other_flags, other_source)
 
 
 def test_a_built_library_is_loaded_without_taking_the_lock(monkeypatch, tmp_path):
     # a read-only or shared cache: nothing to write when the library is there (the lock file cannot be opened here)
     monkeypatch.setenv("NANOZERO_CACHE", str(tmp_path))
-    path = kernels.cache_path("cpu")
-    kernels.compile_library(kernels.CPU_SOURCE, kernels._command("cpu"), path)
+    path = library.cache_path("cpu")
+    library.compile_library(library.CPU_SOURCE, library._command("cpu"), path)
     path.with_suffix(".lock").unlink()
     path.with_suffix(".lock").mkdir()  # open(..., "w") on it raises IsADirectoryError
-    kernels.compile_library(kernels.CPU_SOURCE, kernels._command("cpu"), path)
-    assert kernels.Library(path).lib.adamw_args_size() == ctypes.sizeof(kernels.AdamWArgs)
+    library.compile_library(library.CPU_SOURCE, library._command("cpu"), path)
+    assert library.Library(path).lib.adamw_args_size() == ctypes.sizeof(library.AdamWArgs)
 
 
 def test_concurrent_processes_build_once_and_later_ones_only_load(tmp_path):
@@ -1244,13 +1245,13 @@ def test_concurrent_processes_build_once_and_later_ones_only_load(tmp_path):
 
 def test_a_struct_layout_mismatch_is_a_clear_error(monkeypatch):
     kernels.resolve_impl("cpu")
-    path = kernels.cache_path("cpu")
+    path = library.cache_path("cpu")
 
-    class Bigger(kernels.AdamWArgs):
+    class Bigger(library.AdamWArgs):
         _fields_ = [("extra", ctypes.c_int64)]
-    monkeypatch.setattr(kernels, "AdamWArgs", Bigger)
+    monkeypatch.setattr(library, "AdamWArgs", Bigger)
     with pytest.raises(RuntimeError, match="the two must list the same fields"):
-        kernels.Library(path)
+        library.Library(path)
 
 
 def logged_device(log):
@@ -1272,15 +1273,15 @@ def test_on_cuda_a_library_call_runs_on_its_gpus_current_stream_and_a_cuda_error
     lib = mock.Mock(spec=["adamw_step", "adamw_error_string"])
     lib.adamw_step.side_effect = lambda *args: log.append(("step", *args)) or codes.pop(0)
     lib.adamw_error_string.side_effect = lambda code: log.append(("error_string", code)) or b"an illegal memory access"
-    library = object.__new__(kernels.Library)  # no build: call() needs only .lib
-    library.lib = lib
+    built = object.__new__(library.Library)  # no build: call() needs only .lib
+    built.lib = lib
 
     monkeypatch.setattr(torch.cuda, "device", logged_device(log))
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda device=None: log.append(("stream",)) or mock.Mock(cuda_stream=0x1234))
     with pytest.raises(RuntimeError, match=r"^nanozero adamw_step launch failed: an illegal memory access$"):
-        library.call("adamw_step", torch.device("cuda", 1), "args")
-    library.call("adamw_step", torch.device("cuda", 1), "args")  # cudaSuccess: returns
+        built.call("adamw_step", torch.device("cuda", 1), "args")
+    built.call("adamw_step", torch.device("cuda", 1), "args")  # cudaSuccess: returns
     call = [("enter", torch.device("cuda", 1)), ("stream",), ("step", "args", 0x1234), ("exit",)]
     assert [entry[:2] + (entry[2].value,) if entry[0] == "step" else entry for entry in log] == (
         call + [("error_string", 700)] + call)
@@ -1428,7 +1429,7 @@ def test_bench_kernels_modes_against_a_commit_runs_that_commits_kernel_in_turns(
     assert all(same_bits(x, y) for x, y in zip(a.tensors(), b.tensors()))
     with pytest.raises(SystemExit, match="--against no-such-rev: git cannot show csrc/"):
         bench.library_at("no-such-rev", "cpu")
-    assert bench.library_at(str(kernels.CSRC), "cpu").lib._name == str(kernels.cache_path("cpu"))  # a folder: csrc/
+    assert bench.library_at(str(library.CSRC), "cpu").lib._name == str(library.cache_path("cpu"))  # a folder: csrc/
 
 
 def test_bench_modes_against_several_kernels_checks_each_bit_for_bit_first(tmp_path):
@@ -1436,7 +1437,7 @@ def test_bench_modes_against_several_kernels_checks_each_bit_for_bit_first(tmp_p
     # ours does. A kernel whose stochastic rounding key skips one mix must differ in exactly the two stochastic modes.
     import bench
     other = tmp_path / "csrc"
-    shutil.copytree(kernels.CSRC, other)
+    shutil.copytree(library.CSRC, other)
     common = (other / "adamw_common.h").read_text()
     assert "return lowbias32(lowbias32(seed) ^ step);" in common
     (other / "adamw_common.h").write_text(common.replace("lowbias32(lowbias32(seed) ^ step)", "lowbias32(seed ^ step)"))

@@ -1,4 +1,4 @@
-// The CUDA library: pure CUDA, no torch headers (kernels.py builds it with nvcc). test_kernels.py also compiles
+// The CUDA library: pure CUDA, no torch headers (library.py builds it with nvcc). test_kernels.py also compiles
 // it with g++, the CUDA built-ins emulated, to run it on the host.
 #include "adamw_common.h"
 // N elements per thread, loaded as one N * sizeof(T)-byte access: N = 4 gives 16-byte loads of the fp32

@@ -13,7 +13,7 @@
 #define HD inline
 #endif
 
-// One step over a flat shard of n elements; kernels.AdamWArgs mirrors it field for field.
+// One step over a flat shard of n elements; library.AdamWArgs mirrors it field for field.
 struct AdamWArgs {
   void* master;          // fp32 or int16 remainder (n,), or null
   void* param;           // fp32, bf16 or fp16 (n,), or null

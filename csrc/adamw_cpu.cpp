@@ -1,4 +1,4 @@
-// The CPU library: an OpenMP loop over the shard (kernels.py builds it with the system C++ compiler).
+// The CPU library: an OpenMP loop over the shard (library.py builds it with the system C++ compiler).
 #include "adamw_common.h"
 #include <algorithm>
 #include <omp.h>
