@@ -242,7 +242,9 @@ def read_manifest(path):
     try:
         with open(where) as f:
             manifest = json.load(f)
-    except (OSError, ValueError) as e:
+    except OSError as e:  # gone (a prune, a rename, a half-copied directory): damage; else an I/O error, no fallback
+        raise (Damaged if isinstance(e, FileNotFoundError) else ValueError)(f"{where}: cannot be read ({e})") from None
+    except ValueError as e:
         raise Damaged(f"{where}: not a readable manifest ({e})") from None
     if not isinstance(manifest, dict):
         raise Damaged(f"{where}: a JSON {type(manifest).__name__}, not a manifest nanozero wrote")
@@ -275,21 +277,29 @@ class ChangedFile(Damaged):
 
 def verify(path, manifest, comm=None):
     """Every file's CRC-32 against the manifest's, before any of them is read. Each is read in full once in all:
-    file i by rank i mod world size; a MAX over ranks tells every rank which failed, so all stop together with the
-    same ChangedFile, none left waiting in a collective (comm: the engine's; None, one process checks them all)."""
+    file i by rank i mod world size; a MAX over ranks of each file's flag (1: changed, 2: could not be read) tells
+    every rank which failed, so all stop together with the same error, none left waiting in a collective (comm: the
+    engine's; None, one process checks them all). Changed: ChangedFile (damage). Unreadable: a ValueError (an I/O
+    error may pass: no fallback)."""
     names = sorted(manifest.get('crc32', {}))  # a manifest written before checksums: nothing to check
     if not names:
         return
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
-    changed = torch.tensor([i % world == rank and crc32_of(os.path.join(path, n)) != manifest['crc32'][n]
-                            for i, n in enumerate(names)], dtype=torch.int64, device=comm.device if comm else 'cpu')
+    crcs = [crc32_of(os.path.join(path, n)) if i % world == rank else manifest['crc32'][n] for i, n in enumerate(names)]
+    flags = torch.tensor([2 if crc is None else int(crc != manifest['crc32'][n]) for crc, n in zip(crcs, names)],
+                         dtype=torch.int64, device=comm.device if comm else 'cpu')
     if comm and world > 1 and not comm.fake:
-        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=comm.process_group)  # start-up only: not counted
-    bad = [n for n, c in zip(names, changed.tolist()) if c]
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.process_group)  # start-up only: not counted
+    flags = flags.tolist()
+    if 2 in flags:
+        raise ValueError(f"{os.path.join(path, names[flags.index(2)])} could not be read (an I/O error on the rank "
+                         "that checks it, not a changed file): run again, or move this ckpt-* directory aside to "
+                         "resume from the one before")
+    bad = [n for n, c in zip(names, flags) if c]
     if bad:
         more = f', as did {len(bad) - 1} more' * (len(bad) > 1)
-        raise ChangedFile(f"{os.path.join(path, bad[0])} does not match the CRC-32 its manifest holds (or cannot be "
-                          f"read): it changed after it was saved (a disk or copy error){more}")
+        raise ChangedFile(f"{os.path.join(path, bad[0])} does not match the CRC-32 its manifest holds: it changed "
+                          f"after it was saved (a disk or copy error){more}")
 
 
 def crc32_of(file):
@@ -358,6 +368,9 @@ def find_resume(cfg, model_args, before=None):
             damaged.append((path, str(e)))
     else:
         raise Damaged(f"{damaged[0][1]}; no older checkpoint to fall back on" + " that is not damaged too" * (len(found) > 1))
+    if damaged and cfg.get('eval_only'):  # it holds no lock on out_dir: it sets nothing aside, nor evaluates another
+        raise Damaged(f"{damaged[0][1]} (eval_only=True evaluates the newest checkpoint: move this one aside to "
+                      f"evaluate {os.path.basename(path)})")
     if manifest['iter_num'] >= cfg['max_iters'] and not (restarted or cfg['eval_only']):
         raise ValueError(f"{path} is at iteration {manifest['iter_num']} and max_iters={cfg['max_iters']}: nothing is "
                          f"left to train; raise max_iters (or evaluate it with eval_only=True)")
@@ -374,21 +387,33 @@ def find_resume(cfg, model_args, before=None):
 # falls back to the newest one before it that is whole (keep_last keeps 2 by default), and rank 0 renames the damaged
 # directory ckpt-N.damaged: kept for a look (it can be moved back), never resumed from or pruned, and out of the way of
 # the save that writes ckpt-N again. Each rank decides from the same files (read_manifest) or the same MAX over ranks
-# (verify), so all fall back alike, and load() checks that they resumed the same iteration. Under torchrun
-# --max-restarts a damaged newest checkpoint so costs the iterations since the one before, not the job. With nothing
-# whole to fall back on, it is the one-line error it always was. A manifest of another format is not damage (a newer
-# nanozero wrote it), nor a checkpoint of another model: those stay errors.
+# (verify), so all fall back alike; load() first checks that they resume one checkpoint, passing over as many, so that
+# no collective pairs with another and nothing is renamed before they agree. Under torchrun --max-restarts a damaged
+# newest checkpoint so costs the iterations since the one before, not the job. Errors, as before, with nothing whole
+# to fall back on, and where the damage is not known: a file that could not be read (an I/O error may pass: run
+# again), a manifest of another format (a newer nanozero wrote it), a checkpoint of another model; and with
+# eval_only, which holds no lock on out_dir and evaluates the newest or nothing. A rename that fails stops every rank.
 
 
-def set_aside(damaged, rank, log):
-    """Rank 0 renames each damaged checkpoint ckpt-N.damaged ([Note: a damaged checkpoint]); every rank says so."""
+def set_aside(damaged, comm, log):
+    """Rank 0 renames each damaged checkpoint ckpt-N.damaged and says so ([Note: a damaged checkpoint]); a rename
+    that fails stops every rank with a Damaged, rank 0's with the reason (a MAX over the ranks: none is left waiting
+    in a later collective)."""
     for path, why in damaged:
-        aside, k = path + '.damaged', 2
-        while os.path.exists(aside):  # damaged once before at this iteration: ckpt-N.2.damaged, ...
-            aside, k = f"{path}.{k}.damaged", k + 1
-        if rank == 0:
-            os.rename(path, aside)
-            sync_directory(os.path.dirname(path) or '.')
+        aside, k, failed = path + '.damaged', 2, ''
+        if comm.rank == 0:
+            while os.path.exists(aside):  # damaged once before at this iteration: ckpt-N.2.damaged, ...
+                aside, k = f"{path}.{k}.damaged", k + 1
+            try:
+                os.rename(path, aside)
+                sync_directory(os.path.dirname(path) or '.')
+            except OSError as e:
+                failed = f" ({e.strerror})"
+        flag = torch.tensor([len(failed)], dtype=torch.int64, device=comm.device)
+        if comm.world_size > 1 and not comm.fake:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=comm.process_group)  # start-up only: not counted
+        if flag.item():
+            raise Damaged(f"{why}; it could not be set aside{failed}: move {path} aside by hand to resume from the one before")
         log(f"warning: {why}; set aside as {os.path.basename(aside)}, resuming from an older checkpoint")
 
 
@@ -458,8 +483,11 @@ def resume_notes(manifest, zero_cfg, cfg=None):
 def load(engine, path, manifest, damaged=(), log=print, cfg=None):
     """Restore the optimizer state, params and counters; returns (iter_num, best_val_loss). cfg (the run's config):
     say what the resumed run changes in how it stores the state or draws its batches, and fall back past a checkpoint
-    that verify finds damaged. damaged: find_resume's, set aside first ([Note: a damaged checkpoint])."""
-    set_aside(damaged, engine.comm.rank, log)
+    that verify finds damaged. damaged: find_resume's, set aside first ([Note: a damaged checkpoint]). The ranks first
+    check that they resume one checkpoint: their collectives (and rank 0's renames) wait for that."""
+    engine.comm.check_same('checkpoint', [manifest['iter_num'], len(damaged)], "out_dir must be one directory that "
+                           "every rank sees")
+    set_aside(damaged, engine.comm, log)
     same = (manifest['stage'] == engine.stage and manifest['layout'] == layout(engine)
             and manifest['world_size'] == engine.comm.world_size
             and manifest['precision'] == vars(engine.cfg.precision) and manifest['param_dtype'] == str(engine.cfg.param_dtype)[6:])
@@ -470,11 +498,15 @@ def load(engine, path, manifest, damaged=(), log=print, cfg=None):
     try:
         verify(path, manifest, engine.comm)
     except ChangedFile as e:
-        if cfg is None or not any(p < path for p in complete(os.path.dirname(path))):
+        if cfg is None or cfg.get('eval_only'):  # (eval_only: as find_resume, no fallback)
             raise
-        older = find_resume(cfg, manifest['model_args'], before=path)
+        if not any(p < path for p in complete(cfg['out_dir'])):  # (path is one of these: find_resume's)
+            raise Damaged(f"{e}; no older checkpoint to fall back on") from None
+        try:
+            older = find_resume(cfg, manifest['model_args'], before=path)
+        except ValueError as more:  # each checkpoint's own reason
+            raise Damaged(f"{e}; and {more}") from None
         return load(engine, *older[:2], [(path, str(e))] + older[2], log=log, cfg=cfg)
-    engine.comm.check_same('checkpoint', [manifest['iter_num']], "out_dir must be one directory that every rank sees")
     shards = Shards(path, manifest)
     with torch.no_grad():
         if engine.stage == 0:

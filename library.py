@@ -162,7 +162,7 @@ def compile_library(source, command, path):
         if path.exists():
             return  # another process built it while we waited
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            src, out = Path(tmp) / ("adamw.cu" if "nvcc" in command[0] else "adamw.cpp"), Path(tmp) / "adamw.so"
+            src, out = Path(tmp) / ("adamw.cu" if "nvcc" in Path(command[0]).name else "adamw.cpp"), Path(tmp) / "adamw.so"
             src.write_text(source)
             result = subprocess.run([*command, "-o", str(out), str(src)], capture_output=True, text=True)
             if result.returncode != 0:

@@ -643,7 +643,7 @@ def broken(tmp_path, how, older=False):
             byte = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0x10]))
-        return out_dir, f"{newest}/rank00000.pt does not match the CRC-32 its manifest holds (or cannot be read): it changed"
+        return out_dir, f"{newest}/rank00000.pt does not match the CRC-32 its manifest holds: it changed after it was saved"
     if how == 'a crc32 short of a file':  # a manifest edited by hand: that file would go unchecked
         manifest = json.load(open(os.path.join(newest, 'manifest.json')))
         del manifest['crc32']['rank00001.pt']
@@ -677,14 +677,14 @@ def test_bad_checkpoint_is_an_error_naming_the_file_and_the_problem(tmp_path, ho
         path, manifest, damaged = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
         checkpoint.verify(path, manifest)  # as load() does before it reads a file
     assert message in str(e.value) and isinstance(e.value, checkpoint.Damaged) == (how in DAMAGE)
-    assert sorted(os.listdir(out_dir)) == ['.lock', 'ckpt-00000010']  # nothing set aside: nothing to fall back on
 
 
 @pytest.mark.parametrize('how', ERRORS)
 def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before_and_nothing_else_is(tmp_path, how):
     """[Note: a damaged checkpoint] find_resume: a newest checkpoint found damaged by its manifest and sizes is passed
-    over for ckpt-9 (load sets it aside: the next test); a changed shard is verify's to find (load's), another
-    format, another model or nothing left to train stay errors. With ckpt-9 damaged too, ckpt-8."""
+    over for ckpt-9 (load sets it aside: the next tests); a changed shard is verify's to find (load's), another
+    format, another model or nothing left to train stay errors. With ckpt-9 damaged too, ckpt-8; with eval_only, no
+    fallback. set_aside: a second damage at one iteration goes beside the first."""
     out_dir, message = broken(tmp_path, how, older=True)
     cfg = {**CFG, 'out_dir': out_dir, 'init_from': 'resume', 'n_layer': 3 if how == 'another model' else 2,
            'max_iters': 10 if how == 'nothing left to train' else 1000}
@@ -698,39 +698,48 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before_and_nothi
         return
     assert (path, manifest['iter_num']) == (ckpt(out_dir, 9), 9) and len(damaged) == 1
     assert damaged[0][0] == ckpt(out_dir, 10) and message in damaged[0][1]
+    with pytest.raises(checkpoint.Damaged, match=re.escape(f"{message}") + r".*\(eval_only=True evaluates the newest"):
+        checkpoint.find_resume({**cfg, 'eval_only': True}, train.model_args(cfg, 128))
     os.remove(os.path.join(ckpt(out_dir, 9), 'rank00000.pt'))
-    assert [p for p, _ in checkpoint.find_resume(cfg, train.model_args(cfg, 128))[2]] == [ckpt(out_dir, 10), ckpt(out_dir, 9)]
-    logged = []
-    checkpoint.set_aside([(ckpt(out_dir, 10), 'why')], 0, logged.append)
+    path, _, damaged = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+    assert path == ckpt(out_dir, 8) and [p for p, _ in damaged] == [ckpt(out_dir, 10), ckpt(out_dir, 9)]
+    logged, alone = [], types.SimpleNamespace(rank=0, world_size=1, fake=False, device=CPU, process_group=None)
+    checkpoint.set_aside([(ckpt(out_dir, 10), 'why')], alone, logged.append)
     os.makedirs(ckpt(out_dir, 10))  # damaged twice at one iteration: the second is set aside beside the first
-    checkpoint.set_aside([(ckpt(out_dir, 10), 'why')], 0, logged.append)
+    checkpoint.set_aside([(ckpt(out_dir, 10), 'why')], alone, logged.append)
     assert sorted(os.listdir(out_dir))[-2:] == ['ckpt-00000010.2.damaged', 'ckpt-00000010.damaged']
     assert logged[0] == "warning: why; set aside as ckpt-00000010.damaged, resuming from an older checkpoint"
     assert checkpoint.latest(out_dir) == ckpt(out_dir, 9)  # neither name is a checkpoint to resume or to prune
 
 
-def test_train_py_resumes_past_a_changed_newest_checkpoint_and_ends_as_the_straight_run():
-    """[Note: a damaged checkpoint] Under torchrun, 2 ranks: ckpt-10's rank-1 file changed at its size. Rank 1 finds
-    it (verify reads file i on rank i), both ranks fall back to ckpt-9, rank 0 sets ckpt-10 aside, and the run
-    retrains iteration 10 into a new ckpt-10 equal to the straight run's bit for bit. Before, each restart stopped
-    at the same one-line error until someone moved ckpt-10 aside by hand."""
+@pytest.mark.parametrize('how', ['changed', 'missing'])
+def test_train_py_resumes_past_a_damaged_newest_checkpoint_and_ends_as_the_straight_run(how):
+    """[Note: a damaged checkpoint] Under torchrun, 2 ranks, ckpt-10's rank-1 file changed at its size (found by rank 1
+    as it checks file 1's CRC-32, then by both through the MAX) or missing (found by each rank's find_resume): both
+    ranks fall back to ckpt-9, rank 0 sets ckpt-10 aside, and the run retrains iteration 10 into a new ckpt-10 equal
+    to the straight run's bit for bit. Before, each restart stopped at the same one-line error until someone moved
+    ckpt-10 aside by hand."""
     out_dir = scratch_dir('fallback')
     shutil.rmtree(out_dir)
     shutil.copytree(straight_run()[0], out_dir)
-    newest = ckpt(out_dir, 10)
-    with open(os.path.join(newest, 'rank00001.pt'), 'r+b') as f:
-        f.seek(os.path.getsize(f.name) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
+    newest, shard = ckpt(out_dir, 10), os.path.join(ckpt(out_dir, 10), 'rank00001.pt')
+    if how == 'missing':
+        os.remove(shard)
+    else:
+        with open(shard, 'r+b') as f:
+            f.seek(os.path.getsize(f.name) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x01]))
     log = torchrun(2, f'--out_dir={out_dir}', *RUN, '--max_iters=11', '--init_from=resume')
     lines = [line for line in log.splitlines() if line.startswith(('resuming from', 'warning: '))]
-    assert lines[0].startswith(f'resuming from {newest} (iteration 10')
-    assert lines[1] == (f"warning: {newest}/rank00001.pt does not match the CRC-32 its manifest holds (or cannot be read): "
-                        "it changed after it was saved (a disk or copy error); set aside as ckpt-00000010.damaged, "
-                        "resuming from an older checkpoint")
-    assert lines[2].startswith(f'resuming from {ckpt(out_dir, 9)} (iteration 9') and 'iter 10: loss' in log
-    assert os.path.exists(os.path.join(out_dir, 'ckpt-00000010.damaged', 'rank00001.pt'))
+    why = (f"{shard} is missing (the manifest lists it): the checkpoint is incomplete" if how == 'missing' else
+           f"{shard} does not match the CRC-32 its manifest holds: it changed after it was saved (a disk or copy error)")
+    warning = f"warning: {why}; set aside as ckpt-00000010.damaged, resuming from an older checkpoint"
+    assert lines[:-1] == ([warning] if how == 'missing' else
+                          [next(line for line in lines if line.startswith(f'resuming from {newest} (iteration 10')), warning])
+    assert lines[-1].startswith(f'resuming from {ckpt(out_dir, 9)} (iteration 9') and 'iter 10: loss' in log
+    assert os.path.exists(os.path.join(out_dir, 'ckpt-00000010.damaged', 'rank00000.pt'))
     assert_same_files(newest, ckpt(straight_run()[0], 10))
 
 
@@ -747,11 +756,30 @@ def _load_on(rank, init_file, out_dir, said):
     comm.end_process_group(torch.device('cpu'))
 
 
+def _set_aside_on(rank, init_file, out_dir, said):
+    # rank 0 cannot rename the damaged checkpoint (a read-only out_dir, say): both ranks stop with its line
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
+    if rank == 0:
+        os.rename = lambda a, b: (_ for _ in ()).throw(PermissionError(errno.EACCES, 'Permission denied'))
+    try:
+        checkpoint.set_aside([(ckpt(out_dir, 10), 'why')], comm.Comm(None, CPU), QUIET)
+    except checkpoint.Damaged as e:
+        json.dump(str(e), open(f'{said}{rank}', 'w'))
+    comm.end_process_group(CPU)
+
+
+def test_a_damaged_checkpoint_that_cannot_be_set_aside_stops_every_rank_in_one_line(tmp_path):
+    mp.spawn(_set_aside_on, args=(str(tmp_path / 'init'), str(tmp_path), str(tmp_path / 'said')), nprocs=2)
+    said = [json.load(open(tmp_path / f'said{r}')) for r in (0, 1)]
+    assert said == [f"why; it could not be set aside{reason}: move {ckpt(tmp_path, 10)} aside by hand to resume from "
+                    "the one before" for reason in (' (Permission denied)', '')]  # rank 0 knows why
+
+
 def test_ranks_that_resume_different_checkpoints_stop_before_training(tmp_path):
     mp.spawn(_load_on, args=(str(tmp_path / 'init'), straight_run()[0], str(tmp_path / 'said')), nprocs=2)
     said = [json.load(open(tmp_path / f'said{r}')) for r in (0, 1)]
-    assert said == [f"rank {1 - r} has a different checkpoint than rank {r} ([{9 + r}] vs [{10 - r}]): out_dir must "
-                    "be one directory that every rank sees" for r in (0, 1)]
+    assert said == [f"rank {1 - r} has a different checkpoint than rank {r} ([{9 + r}, 0] vs [{10 - r}, 0]): out_dir "
+                    "must be one directory that every rank sees" for r in (0, 1)]
 
 
 def test_a_checkpoint_saved_before_checksums_resumes_and_consolidates_as_before(tmp_path):
@@ -767,17 +795,20 @@ def test_a_checkpoint_saved_before_checksums_resumes_and_consolidates_as_before(
     assert set(consolidate.full_state_dict(path)[0]) == set(consolidate.full_state_dict(straight_run()[0])[0])
 
 
-def test_a_shard_that_cannot_be_read_is_a_flag_like_a_changed_one(tmp_path):
+def test_a_shard_that_cannot_be_read_is_a_flag_but_not_damage(tmp_path):
     # an I/O error on one rank's file must reach verify's MAX as a flag, not stop that rank alone (the others would
-    # wait in the MAX); a directory where the file was stands in for the error (open raises IsADirectoryError)
+    # wait in the MAX); a directory where the file was stands in for the error (open raises IsADirectoryError). It is
+    # not Damaged: an I/O error may pass, so it stops the run and sets nothing aside
     out_dir = str(tmp_path / 'out')
     shutil.copytree(straight_run()[0], out_dir)
     path = ckpt(out_dir, 10)
     manifest = checkpoint.read_manifest(path)
     os.remove(os.path.join(path, 'rank00001.pt'))
     os.mkdir(os.path.join(path, 'rank00001.pt'))
-    with pytest.raises(checkpoint.ChangedFile, match='rank00001.pt does not match the CRC-32 its manifest holds'):
+    with pytest.raises(ValueError, match=re.escape(f"{path}/rank00001.pt could not be read (an I/O error on the rank "
+                                                   "that checks it, not a changed file): run again")) as e:
         checkpoint.verify(path, manifest)
+    assert not isinstance(e.value, checkpoint.Damaged)
 
 
 def test_consolidate_and_sample_refuse_a_changed_shard_in_one_line(tmp_path):

@@ -49,7 +49,7 @@ SYNC_NAMES = ('cudaStreamSynchronize', 'cudaDeviceSynchronize', 'cudaEventSynchr
               'cudaMemcpy2D', 'cudaMalloc', 'cudaFree', 'cudaHostAlloc', 'cudaMallocHost', 'cudaFreeHost',
               'cudaStreamWaitEvent', 'cudaEventQuery')
 BLOCKING = ('cudaStreamSynchronize', 'cudaDeviceSynchronize', 'cudaEventSynchronize', 'cudaMemcpy', 'cudaMemcpy2D')
-PROJECT = ('zero.py', 'fsdp_lite.py', 'train.py', 'model.py', 'kernels.py', 'comm.py', 'bench_zero.py')
+PROJECT = ('zero.py', 'fsdp_lite.py', 'train.py', 'model.py', 'kernels.py', 'library.py', 'comm.py', 'bench_zero.py')
 
 
 def args_():

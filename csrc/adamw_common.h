@@ -1,6 +1,6 @@
 // The part of nanozero's fused AdamW step that the CPU library (adamw_cpu.cpp, g++) and the CUDA library
 // (adamw.cu, nvcc) share: the argument struct, the roundings, the weight policies, the element update.
-// kernels.py reads these files; see its notes for the why of each piece.
+// library.py builds them, kernels.py calls them; see their notes for the why of each piece.
 #pragma once
 #include <stdint.h>
 #include <stddef.h>
