@@ -445,6 +445,19 @@ def test_stage_0_steps_with_torchs_fused_adamw_on_the_gpu(nccl_world):
 
 
 @cuda_only
+def test_the_gpus_spin_clock_and_free_memory_read_as_a_gpus():
+    # figures only a GPU gives, read without a process group: the simulated link's spin clock (comm.py; its CPU
+    # stand-in times the events, not the figure) in a GPU's range, and zero_stage='auto''s limit (memory.py) the free
+    # memory mem_get_info reports, not the total
+    import comm
+    import memory
+    gpu = torch.device('cuda', 0)
+    assert 3e8 < comm.cuda_cycles_per_second(gpu) < 4e9
+    free, total = torch.cuda.mem_get_info(gpu)
+    assert 0 < memory.device_memory_bytes(gpu) <= total and abs(memory.device_memory_bytes(gpu) - free) < 2**30
+
+
+@cuda_only
 def test_a_batch_is_int64_on_the_gpu_and_equals_the_cpus():
     # train.windows on CUDA: pinned, then copied without blocking the host (its CPU stand-in: test_train.py's
     # test_on_cuda_a_batch_is_pinned_then_copied...); what arrives is what the CPU path makes

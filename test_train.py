@@ -72,6 +72,17 @@ def test_impossible_settings_are_clear_errors(monkeypatch, override, message):
         train.check_config(cfg, world_size=2)
 
 
+def test_where_torch_sees_a_gpu_the_cuda_settings_are_accepted(monkeypatch):
+    # check_config's CUDA branch the other way round (the refusals are the test above): a GPU stood in for, every
+    # setting a GPU run takes passes, and its one refusal there (the CPU kernel for GPU shards) still stands
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    for args in (['--device=cuda'], ['--device=cuda:1', '--backend=nccl'], ['--device=cuda', '--optimizer_impl=cuda'],
+                 ['--device=cuda', '--dtype=bfloat16', '--zero_stage=3', '--compile=True']):
+        train.check_config(train.parse_config(args), world_size=2)
+    with pytest.raises(ValueError, match="optimizer_impl='cpu' steps shards on the CPU, and device='cuda'"):
+        train.check_config(train.parse_config(['--device=cuda', '--optimizer_impl=cpu']), world_size=2)
+
+
 def test_stochastic_rounding_takes_a_32_bit_seed_named_before_training():
     # before, a larger seed trained until the first step, where the kernel refused it on every rank
     cfg = train.parse_config(['--device=cpu', '--dtype=bfloat16', '--zero_stage=2', '--master_weights=none',
