@@ -411,10 +411,11 @@ def test_bench_train_refuses_bad_input_before_any_job_in_one_line(monkeypatch):
             bench_train.bench_train(args)
 
 
-def test_two_nodes_of_one_rank_train_as_one_node_of_two(tmp_path):
+def test_two_nodes_of_one_rank_train_and_restart_as_one_node_of_two(tmp_path):
     """Plain torchrun across nodes (README, "Running on GPUs, and multi-node"), both nodes on this machine: node 1's rank
-    is RANK 1 with LOCAL_RANK 0 and a static rendezvous at node 0's address. The run logs the losses of a one-node
-    2-rank run and saves the same checkpoint, bit for bit (out_dir shared, as several nodes need it)."""
+    is RANK 1 with LOCAL_RANK 0, a static rendezvous at node 0's address, out_dir shared as several nodes need it. Node
+    1's rank is killed after iteration 3's step; both agents restart their ranks (--max-restarts=1), which resume from
+    ckpt-2 and end with the checkpoint, and the last eval, of one uninterrupted node of two ranks, bit for bit."""
     import socket
     from test_checkpoint import assert_same_files
     with socket.socket() as s:
@@ -422,22 +423,25 @@ def test_two_nodes_of_one_rank_train_as_one_node_of_two(tmp_path):
         port = s.getsockname()[1]
     run = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1']
     args = ['train.py', 'config/shakespeare_char.py', *ON_CPU, '--n_layer=2', '--n_head=2', '--n_embd=32',
-            '--block_size=16', '--batch_size=2', '--eval_iters=2', '--max_iters=4', '--eval_interval=2',
-            '--log_interval=1', '--gradient_accumulation_steps=2', '--zero_stage=2']
+            '--block_size=16', '--batch_size=2', '--eval_iters=2', '--max_iters=6', '--eval_interval=2',
+            '--log_interval=1', '--gradient_accumulation_steps=2', '--zero_stage=2', '--always_save_checkpoint=True']
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    nodes = [subprocess.Popen(run + ['--nnodes=2', f'--node_rank={n}', '--master_addr=127.0.0.1', f'--master_port={port}',
-                                     *args, f'--out_dir={tmp_path}/nodes'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env, start_new_session=True) for n in (0, 1)]
+    nodes = [subprocess.Popen(run + ['--nnodes=2', f'--node_rank={n}', '--max-restarts=1', '--master_addr=127.0.0.1',
+                                     f'--master_port={port}', *args, f'--out_dir={tmp_path}/nodes'],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env={**env, 'NANOZERO_FAULT': 'step:3:1'}) for n in (0, 1)]
     one = subprocess.run(run[:-1] + ['--standalone', '--nproc_per_node=2', *args, f'--out_dir={tmp_path}/one'],
                          capture_output=True, text=True, env=env, timeout=300)
     try:
-        outs = [node.communicate(timeout=300) for node in nodes]
+        outs = [node.communicate(timeout=120) for node in nodes]  # 11 s here; a node left waiting fails at 120
     finally:
         for node in nodes:
             if node.poll() is None:
                 os.killpg(node.pid, 9)
     assert [node.returncode for node in nodes] == [0, 0] and one.returncode == 0, outs[0][1][-2000:] + outs[1][1][-2000:]
-    lines = lambda log: re.findall(r'^(?:iter \d+: loss [\d.]+|step \d+: .*)', log, re.M)  # noqa: E731
-    assert len(lines(outs[0][0])) == 7 and lines(outs[0][0]) == lines(one.stdout) and outs[1][0] == ''  # rank 0 logs
-    assert 'world size 2 (gloo), device cpu' in outs[0][0]
-    assert_same_files(f'{tmp_path}/nodes/ckpt-00000004', f'{tmp_path}/one/ckpt-00000004')
+    log = outs[0][0]
+    assert 'world size 2 (gloo), device cpu' in log and outs[1][0] == ''  # rank 0 logs, on node 0
+    assert [line.split()[2] for line in log.splitlines() if line.startswith('resuming from')] == [f'{tmp_path}/nodes/ckpt-00000002']
+    last = [re.search(r'^step 6: .*$', text, re.M).group(0) for text in (log, one.stdout)]
+    assert last[0] == last[1] and 'iter 4: loss' in log
+    assert_same_files(f'{tmp_path}/nodes/ckpt-00000006', f'{tmp_path}/one/ckpt-00000006')
