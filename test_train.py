@@ -73,11 +73,12 @@ def test_impossible_settings_are_clear_errors(monkeypatch, override, message):
 
 
 def test_where_torch_sees_a_gpu_the_cuda_settings_are_accepted(monkeypatch):
-    # check_config's CUDA branch the other way round (the refusals are the test above): a GPU stood in for, every
-    # setting a GPU run takes passes, and its one refusal there (the CPU kernel for GPU shards) still stands
+    # check_config's CUDA branch the other way round (the refusals are the test above): a GPU stood in for, the GPU
+    # settings check_config reads pass (a device with its index too), and its one refusal there (the CPU kernel for
+    # GPU shards) still stands
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     for args in (['--device=cuda'], ['--device=cuda:1', '--backend=nccl'], ['--device=cuda', '--optimizer_impl=cuda'],
-                 ['--device=cuda', '--dtype=bfloat16', '--zero_stage=3', '--compile=True']):
+                 ['--device=cuda:1', '--optimizer_impl=cuda', '--backend=nccl']):
         train.check_config(train.parse_config(args), world_size=2)
     with pytest.raises(ValueError, match="optimizer_impl='cpu' steps shards on the CPU, and device='cuda'"):
         train.check_config(train.parse_config(['--device=cuda', '--optimizer_impl=cpu']), world_size=2)
@@ -418,27 +419,29 @@ def test_two_nodes_of_one_rank_train_and_restart_as_one_node_of_two(tmp_path):
     ckpt-2 and end with the checkpoint, and the last eval, of one uninterrupted node of two ranks, bit for bit."""
     import socket
     from test_checkpoint import assert_same_files
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
     run = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1']
     args = ['train.py', 'config/shakespeare_char.py', *ON_CPU, '--n_layer=2', '--n_head=2', '--n_embd=32',
             '--block_size=16', '--batch_size=2', '--eval_iters=2', '--max_iters=6', '--eval_interval=2',
             '--log_interval=1', '--gradient_accumulation_steps=2', '--zero_stage=2', '--always_save_checkpoint=True']
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    one = subprocess.run(run[:-1] + ['--standalone', '--nproc_per_node=2', *args, f'--out_dir={tmp_path}/one'],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    with socket.socket() as s:  # free now; node 0 binds it a moment later (another process could, rarely, in between)
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
     nodes = [subprocess.Popen(run + ['--nnodes=2', f'--node_rank={n}', '--max-restarts=1', '--master_addr=127.0.0.1',
                                      f'--master_port={port}', *args, f'--out_dir={tmp_path}/nodes'],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                               env={**env, 'NANOZERO_FAULT': 'step:3:1'}) for n in (0, 1)]
-    one = subprocess.run(run[:-1] + ['--standalone', '--nproc_per_node=2', *args, f'--out_dir={tmp_path}/one'],
-                         capture_output=True, text=True, env=env, timeout=300)
     try:
-        outs = [node.communicate(timeout=120) for node in nodes]  # 11 s here; a node left waiting fails at 120
-    finally:
+        outs = [node.communicate(timeout=120) for node in nodes]  # 11 s here
+    except subprocess.TimeoutExpired:
         for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, 9)
-    assert [node.returncode for node in nodes] == [0, 0] and one.returncode == 0, outs[0][1][-2000:] + outs[1][1][-2000:]
+            os.killpg(node.pid, 9)
+        said = [node.communicate() for node in nodes]  # what each node printed, to see why (EADDRINUSE: the port)
+        pytest.fail("the nodes did not end in 120 s:\n" + '\n'.join(err[-2000:] for _, err in said))
+    assert [node.returncode for node in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     log = outs[0][0]
     assert 'world size 2 (gloo), device cpu' in log and outs[1][0] == ''  # rank 0 logs, on node 0
     assert [line.split()[2] for line in log.splitlines() if line.startswith('resuming from')] == [f'{tmp_path}/nodes/ckpt-00000002']
