@@ -350,6 +350,8 @@ def find_resume(cfg, model_args, before=None):
     problem is a ValueError naming the file, raised before any training step. before: only older ones (load's)."""
     restarted = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)) > 0
     found = [p for p in complete(cfg['out_dir']) if before is None or p < before]
+    if before and not found:
+        raise Damaged("no older checkpoint to fall back on")
     if cfg['init_from'] != 'resume' and not restarted:
         if found:
             raise ValueError(f"{found[-1]} is a checkpoint of an earlier run and init_from='scratch': continue it with "
@@ -500,12 +502,10 @@ def load(engine, path, manifest, damaged=(), log=print, cfg=None):
     except ChangedFile as e:
         if cfg is None or cfg.get('eval_only'):  # (eval_only: as find_resume, no fallback)
             raise
-        if not any(p < path for p in complete(cfg['out_dir'])):  # (path is one of these: find_resume's)
-            raise Damaged(f"{e}; no older checkpoint to fall back on") from None
         try:
             older = find_resume(cfg, manifest['model_args'], before=path)
-        except ValueError as more:  # each checkpoint's own reason
-            raise Damaged(f"{e}; and {more}") from None
+        except ValueError as more:  # none older, or each older one's own reason
+            raise Damaged(f"{e}; {more}") from None
         return load(engine, *older[:2], [(path, str(e))] + older[2], log=log, cfg=cfg)
     shards = Shards(path, manifest)
     with torch.no_grad():

@@ -550,8 +550,8 @@ def test_sample_py_prints_text_from_a_consolidated_file_and_from_a_checkpoint_di
 
 
 def test_sample_py_builds_the_model_on_the_cpu_whatever_the_default_device(tmp_path):
-    # under a default device (cuda, or meta here) the model was built there and then filled from the CPU state: on meta
-    # the load did nothing and main()'s .to(--device) failed (NotImplementedError: Cannot copy out of meta tensor)
+    # under a default device (cuda, or meta here) the model was built there, then filled from the CPU state; before
+    # this was fixed, on meta the load left it empty and main()'s .to(--device) raised "Cannot copy out of meta tensor"
     consolidate.consolidate(straight_run()[0], str(tmp_path / 'model.pt'))
     plain, _ = sample.load_model(str(tmp_path / 'model.pt'))
     with torch.device('meta'):
@@ -622,6 +622,15 @@ def test_sample_py_decodes_gpt2_tokens_offline_from_the_bpe_files_beside_meta_js
 # clear errors: the file and what is wrong, before any training step
 
 
+def flip_a_byte(file):
+    """Change one byte in the middle of file, its size kept (a disk or copy error only a CRC-32 finds)."""
+    with open(file, 'r+b') as f:
+        f.seek(os.path.getsize(file) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
 def broken(tmp_path, how, older=False):
     """A copy of straight_run's out_dir whose newest checkpoint is broken `how`; (out_dir, what the error says).
     older: keep the checkpoints before it (6-9) to fall back on; else ckpt-10 is the only one."""
@@ -637,12 +646,8 @@ def broken(tmp_path, how, older=False):
         with open(os.path.join(newest, 'rank00000.pt'), 'r+b') as f:
             f.truncate(1000)
         return out_dir, f"{newest}/rank00000.pt is truncated or changed: 1,000 bytes, the manifest says"
-    if how == 'changed shard':  # one byte, the size kept: found by its CRC-32 as a rank opens the file
-        with open(os.path.join(newest, 'rank00000.pt'), 'r+b') as f:
-            f.seek(os.path.getsize(f.name) // 2)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0x10]))
+    if how == 'changed shard':  # found by its CRC-32 as a rank opens the file
+        flip_a_byte(os.path.join(newest, 'rank00000.pt'))
         return out_dir, f"{newest}/rank00000.pt does not match the CRC-32 its manifest holds: it changed after it was saved"
     if how == 'a crc32 short of a file':  # a manifest edited by hand: that file would go unchecked
         manifest = json.load(open(os.path.join(newest, 'manifest.json')))
@@ -723,14 +728,7 @@ def test_train_py_resumes_past_a_damaged_newest_checkpoint_and_ends_as_the_strai
     shutil.rmtree(out_dir)
     shutil.copytree(straight_run()[0], out_dir)
     newest, shard = ckpt(out_dir, 10), os.path.join(ckpt(out_dir, 10), 'rank00001.pt')
-    if how == 'missing':
-        os.remove(shard)
-    else:
-        with open(shard, 'r+b') as f:
-            f.seek(os.path.getsize(f.name) // 2)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0x01]))
+    os.remove(shard) if how == 'missing' else flip_a_byte(shard)
     log = torchrun(2, f'--out_dir={out_dir}', *RUN, '--max_iters=11', '--init_from=resume')
     lines = [line for line in log.splitlines() if line.startswith(('resuming from', 'warning: '))]
     why = (f"{shard} is missing (the manifest lists it): the checkpoint is incomplete" if how == 'missing' else

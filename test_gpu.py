@@ -287,11 +287,8 @@ def test_a_shard_changed_at_its_size_stops_verify_with_its_flags_on_the_gpu(tmp_
     on = types.SimpleNamespace(rank=0, world_size=1, fake=False, process_group=None,
                                device=torch.device('cuda' if GPU else 'cpu'))
     checkpoint.verify(path, checkpoint.read_manifest(path), on)
-    with open(os.path.join(path, 'rank00000.pt'), 'r+b') as f:
-        f.seek(os.path.getsize(f.name) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 1]))
+    from test_checkpoint import flip_a_byte
+    flip_a_byte(os.path.join(path, 'rank00000.pt'))
     with pytest.raises(checkpoint.ChangedFile, match='rank00000.pt does not match the CRC-32'):
         checkpoint.verify(path, checkpoint.read_manifest(path), on)
     assert made == [on.device, on.device]  # the flags, made where the engine's collectives run
@@ -431,7 +428,7 @@ def test_stages_1_to_3_on_the_gpu_end_where_stage_0_ends(nccl_world):
 
 def test_stage_0_steps_with_torchs_fused_adamw_on_the_gpu(nccl_world):
     # zero.DataParallel asks for fused=is_cuda: the fused AdamW keeps each param's step count as a tensor on its device
-    # (its CPU stand-in: test_zero.py's test_stage_0_asks_torch_for_the_fused_adamw_only_on_a_gpu)
+    # (on the CPU, test_zero.py's run_job checks every DDP job's AdamW is the plain one)
     import zero
     device = nccl_world
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)).to(device)

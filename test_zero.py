@@ -223,6 +223,9 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
     if compile:
         graphs_at_end = torch._dynamo.utils.counters['stats']['unique_graphs'] - counted
         info.update(graphs_after_first_step=graphs, graphs=graphs_at_end)
+    if kind == 'ddp':  # zero.DataParallel asks for torch's fused AdamW on a GPU only (test_gpu.py's fused case): here
+        assert engine.optimizer.defaults['fused'] is False  # the plain one, its step counts CPU tensors
+        assert all(s['step'].device.type == 'cpu' for s in engine.optimizer.state.values()) and engine.optimizer.state
     if kind == 'ddp' or kind.startswith('zero'):
         info.update(populations=memory.counted_states(engine), psi=engine.psi, comm=dict(engine.comm.numel),
                     comm_bytes=dict(engine.comm.bytes),
@@ -568,21 +571,6 @@ def test_each_rank_draws_only_its_shard_and_rank_0_of_8_and_of_64_hold_the_same_
                 assert torch.equal(engine.master_values(b), b.shard(flat)), (world_size, rank, b.index)
         finally:
             dist.destroy_process_group()
-
-
-def test_stage_0_asks_torch_for_the_fused_adamw_only_on_a_gpu(tmp_path):
-    # zero.DataParallel's fused=params[0].is_cuda: torch's fused AdamW on a GPU (test_gpu.py's
-    # test_stage_0_steps_with_torchs_fused_adamw_on_the_gpu), the plain one here, where a CPU step count stays a CPU tensor
-    dist.init_process_group('gloo', init_method=f'file://{tmp_path}/init', rank=0, world_size=1)
-    try:
-        engine = zero.build_engine(tiny_model(0), zero.ZeroConfig(stage=0))
-        x = torch.randint(TINY['vocab_size'], (2, TINY['block_size']))
-        engine.backward(engine.module(x, x)[1])
-        engine.step(1e-3)
-        assert engine.optimizer.defaults['fused'] is False
-        assert all(s['step'].device.type == 'cpu' for s in engine.optimizer.state.values())
-    finally:
-        dist.destroy_process_group()
 
 
 def test_stages_1_to_3_build_and_step_bit_for_bit_the_same_under_a_meta_default_device():
