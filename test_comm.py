@@ -450,7 +450,9 @@ LATE = {'stage 1': dict(stage=1), 'stage 2, bf16': dict(stage=2, dtype=torch.bfl
 @pytest.mark.parametrize('kind', LATE)
 def test_collectives_that_land_only_at_their_wait_change_no_number(gloo_world, monkeypatch, kind):
     """Every async collective of stages 1-3 read, freed and reused only after its wait: with every one landing as late
-    as NCCL may land it, the run is bit for bit the on-time one."""
+    as NCCL may land it, the run is bit for bit the on-time one (at world 1, where comm skips the backend otherwise:
+    the on-time run does, so it also equals the backend's, late)."""
+    monkeypatch.setattr(comm.Comm, 'skip_backend_alone', False)
     late, cpu = LateCollectives(monkeypatch), torch.device('cpu')
     run = run_stage(cpu, **LATE[kind], in_flight=late.pending)
     assert not late.errors, late.errors  # before the on-time run: a buffer freed in flight may crash gloo's thread
@@ -458,6 +460,40 @@ def test_collectives_that_land_only_at_their_wait_change_no_number(gloo_world, m
     on_time = run_stage(cpu, **LATE[kind])
     assert_same_run(run, on_time, rtol=0, atol=0)  # bit for bit: losses, grad norms, every param
     assert run['evals'] == on_time['evals']
+
+
+def test_at_world_1_a_collective_is_a_copy_or_nothing_counted_as_sent_and_never_the_backends(gloo_world, monkeypatch):
+    """[Note: one rank]: at world 1 comm never calls the backend (its entry points raise here), does each collective as
+    the copy it amounts to, or nothing, counts what it would send at any world size, and hands an async caller a done
+    handle. Stages 1-3 then end bit for bit where they end through gloo, with the same counts."""
+    def never(*args, **kwargs):
+        raise AssertionError('a collective reached the backend at world 1')
+    through = {}
+    for skip in (False, True):
+        monkeypatch.setattr(comm.Comm, 'skip_backend_alone', skip)
+        if skip:
+            for name in ('ALL_GATHER', 'REDUCE_SCATTER'):
+                monkeypatch.setattr(comm, name, never)
+            monkeypatch.setattr(dist, 'all_reduce', never)
+        c = comm.Comm()
+        assert c.alone is skip
+        out, inp, total = torch.zeros(6), torch.arange(6.0), torch.tensor([2.5])
+        assert c.reduce_scatter(out, inp) is None and torch.equal(out, inp)  # the average over one rank
+        gathered = torch.zeros(6)
+        assert c.all_gather(gathered, inp, async_op=True).wait() and torch.equal(gathered, inp)
+        assert c.all_gather(inp, inp.view(6)) is None and torch.equal(inp, torch.arange(6.0))  # in place: no work
+        c.all_reduce_sum(total)
+        assert total.item() == 2.5 and dict(c.numel) == {'reduce_scatter': 6, 'all_gather': 12, 'all_reduce': 2}
+        with torch.profiler.profile() as prof:  # train.py's profile=True names each collective, at world 1 too
+            c.reduce_scatter(out, inp, name='reduce_scatter bucket 7')
+            c.all_gather(inp, inp, name='all_gather unit 3')
+        assert {'reduce_scatter bucket 7', 'all_gather unit 3'} <= {e.name for e in prof.events()}
+        for name, kw in LATE.items():
+            run = run_stage(torch.device('cpu'), **kw)
+            if skip:
+                assert_same_run(run, through[name], rtol=0, atol=0)  # bit for bit: losses, grad norms, every param
+                assert run['evals'] == through[name]['evals']
+            through[name] = run
 
 
 # -----------------------------------------------------------------------------
