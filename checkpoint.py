@@ -111,7 +111,13 @@ def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
     out_dir = cfg['out_dir']
     final = os.path.join(out_dir, f'ckpt-{iter_num:08d}')
     tmp = final + '.tmp'
-    if os.path.exists(os.path.join(final, 'manifest.json')):  # e.g. the eval right after resuming from it
+    # saved already? e.g. the eval right after resuming from it. Rank 0's view decides, for all: another node's may be
+    # stale (on NFS, a ckpt-N set aside and written again since), and a rank that returned here alone would leave
+    # the others in the barrier below
+    saved = torch.tensor([os.path.exists(os.path.join(final, 'manifest.json'))], dtype=torch.int64, device=engine.comm.device)
+    if world_size > 1 and not engine.comm.fake:
+        engine.comm.broadcast(saved)
+    if saved.item():
         return final
     files = [f'rank{r:05d}.pt' for r in range(world_size if engine.stage else 1)]  # stage 0: one copy, rank 0's
     if rank == 0:
@@ -259,10 +265,14 @@ def read_manifest(path):
         raise Damaged(f"{where}: its files and their CRC-32s do not match up: not a manifest nanozero wrote")
     for name, size in files.items():
         file = os.path.join(path, name)
-        if not os.path.exists(file):
-            raise Damaged(f"{file} is missing (the manifest lists it): the checkpoint is incomplete")
-        if os.path.getsize(file) != size:
-            raise Damaged(f"{file} is truncated or changed: {os.path.getsize(file):,} bytes, the manifest says {size:,}")
+        try:
+            found = os.stat(file).st_size
+        except FileNotFoundError:
+            raise Damaged(f"{file} is missing (the manifest lists it): the checkpoint is incomplete") from None
+        except OSError as e:  # EIO, ESTALE, EACCES: not known damage, as verify's file that could not be read
+            raise ValueError(f"{file} could not be looked at ({e.strerror}): run again, or move {path} aside") from None
+        if found != size:
+            raise Damaged(f"{file} is truncated or changed: {found:,} bytes, the manifest says {size:,}")
     return manifest
 
 
@@ -293,8 +303,8 @@ def verify(path, manifest, comm=None):
     flags = flags.tolist()
     if 2 in flags:
         raise ValueError(f"{os.path.join(path, names[flags.index(2)])} could not be read (an I/O error on the rank "
-                         "that checks it, not a changed file): run again, or move this ckpt-* directory aside to "
-                         "resume from the one before")
+                         "that checks it, not a changed file): run again, or " + ("move this ckpt-* directory aside to "
+                         "resume from the one before" if comm else "name an older ckpt-* directory"))
     bad = [n for n, c in zip(names, flags) if c]
     if bad:
         more = f', as did {len(bad) - 1} more' * (len(bad) > 1)
@@ -343,6 +353,9 @@ def claim(out_dir):
     return lock
 
 
+NO_FALLBACK = "put the file back from a copy, or start over in another out_dir (init_from='scratch')"
+
+
 def find_resume(cfg, model_args, before=None):
     """(path, manifest, damaged) to resume from, or None. init_from='resume' needs a checkpoint; a worker restarted by
     torchrun (--max-restarts) resumes from the newest complete one when there is one. Newer ones found Damaged are
@@ -351,7 +364,7 @@ def find_resume(cfg, model_args, before=None):
     restarted = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)) > 0
     found = [p for p in complete(cfg['out_dir']) if before is None or p < before]
     if before and not found:
-        raise Damaged("no older checkpoint to fall back on")
+        raise Damaged(f"no older checkpoint to fall back on: {NO_FALLBACK}")
     if cfg['init_from'] != 'resume' and not restarted:
         if found:
             raise ValueError(f"{found[-1]} is a checkpoint of an earlier run and init_from='scratch': continue it with "
@@ -369,7 +382,8 @@ def find_resume(cfg, model_args, before=None):
         except Damaged as e:
             damaged.append((path, str(e)))
     else:
-        raise Damaged(f"{damaged[0][1]}; no older checkpoint to fall back on" + " that is not damaged too" * (len(found) > 1))
+        raise Damaged(f"{damaged[0][1]}; no older checkpoint to fall back on" + " that is not damaged too" * (len(found) > 1)
+                      + f": {NO_FALLBACK}")
     if damaged and cfg.get('eval_only'):  # it holds no lock on out_dir: it sets nothing aside, nor evaluates another
         raise Damaged(f"{damaged[0][1]} (eval_only=True evaluates the newest checkpoint: move this one aside to "
                       f"evaluate {os.path.basename(path)})")
@@ -500,8 +514,11 @@ def load(engine, path, manifest, damaged=(), log=print, cfg=None):
     try:
         verify(path, manifest, engine.comm)
     except ChangedFile as e:
-        if cfg is None or cfg.get('eval_only'):  # (eval_only: as find_resume, no fallback)
+        if cfg is None:
             raise
+        if cfg.get('eval_only'):  # as find_resume: no fallback
+            raise ChangedFile(f"{e} (eval_only=True evaluates the newest checkpoint: move this one aside to evaluate "
+                              "the one before)") from None
         try:
             older = find_resume(cfg, manifest['model_args'], before=path)
         except ValueError as more:  # none older, or each older one's own reason

@@ -83,9 +83,11 @@ def main(argv=None):
         model, info = load_model(path)
     except checkpoint.Damaged as e:
         raise SystemExit(f"cannot sample from {path}: {e}; name an older ckpt-* directory")
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"cannot sample from {path}: {e} (train first: train.py saves a checkpoint at each eval "
-                         "that improves)")
+    except (ValueError, FileNotFoundError) as e:  # nothing there yet: say how to make one
+        none = not os.path.exists(path) or (os.path.isdir(path) and checkpoint.latest(path) is None
+                                            and not os.path.exists(os.path.join(path, 'manifest.json')))
+        raise SystemExit(f"cannot sample from {path}: {e}" + " (train first: train.py saves a checkpoint at each eval "
+                         "that improves)" * none)
     model.to(args.device)
     print(f"{path}: iteration {info['iter_num']}, val loss {info['best_val_loss']:.4f}, trained with "
           f"zero_stage={info['stage']} on {info['world_size']} rank(s)")

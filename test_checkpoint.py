@@ -809,14 +809,85 @@ def test_a_shard_that_cannot_be_read_is_a_flag_but_not_damage(tmp_path):
     assert not isinstance(e.value, checkpoint.Damaged)
 
 
-def test_consolidate_and_sample_refuse_a_changed_shard_in_one_line(tmp_path):
+def test_consolidate_and_sample_refuse_a_changed_shard_in_one_line(tmp_path, monkeypatch):
     out_dir, message = broken(tmp_path, 'changed shard')
     with pytest.raises(checkpoint.ChangedFile, match=re.escape(message)):
         consolidate.consolidate(out_dir, str(tmp_path / 'model.pt'))
     assert not os.path.exists(tmp_path / 'model.pt')
+    argv = [f'--out_dir={out_dir}', '--device=cpu', '--max_new_tokens=2']
     with pytest.raises(SystemExit) as e:
-        sample.main([f'--out_dir={out_dir}', '--device=cpu', '--max_new_tokens=2'])
+        sample.main(argv)
     assert message in str(e.value) and 'train first' not in str(e.value) and '\n' not in str(e.value)
+    # a file that could not be read: its fix for one process (no "resume"), and no "train first" either
+    monkeypatch.setattr(checkpoint, 'crc32_of', lambda file: None)
+    with pytest.raises(SystemExit) as e:
+        sample.main(argv)
+    assert str(e.value).endswith("not a changed file): run again, or name an older ckpt-* directory")
+    with pytest.raises(SystemExit) as e:  # nothing there yet: how to make a checkpoint
+        sample.main([f'--out_dir={tmp_path}/nothing', '--device=cpu'])
+    assert str(e.value).endswith('(train first: train.py saves a checkpoint at each eval that improves)')
+
+
+def test_a_shard_that_cannot_be_looked_at_is_an_error_not_damage(tmp_path, monkeypatch):
+    # os.stat failing otherwise than "no such file" (EIO, a stale NFS handle) says nothing of the file: before, it read
+    # as "missing", and the resume set a good checkpoint aside and fell back past it
+    out_dir, _ = broken(tmp_path, 'nothing left to train', older=True)  # (a whole ckpt-10)
+    shard, stat = os.path.join(ckpt(out_dir, 10), 'rank00001.pt'), os.stat
+
+    def failing_stat(path, *args, **kwargs):
+        if str(path) == shard:
+            raise OSError(errno.EIO, 'Input/output error', path)
+        return stat(path, *args, **kwargs)
+    monkeypatch.setattr(os, 'stat', failing_stat)
+    cfg = {**CFG, 'out_dir': out_dir, 'init_from': 'resume', 'max_iters': 1000}
+    with pytest.raises(ValueError) as e:
+        checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+    assert not isinstance(e.value, checkpoint.Damaged) and str(e.value) == (
+        f"{shard} could not be looked at (Input/output error): run again, or move {ckpt(out_dir, 10)} aside")
+
+
+def test_train_py_stops_in_one_line_at_a_file_it_cannot_read_and_at_a_changed_one_with_eval_only(tmp_path):
+    # verify's two errors that no fallback follows, through train.py (one process): a file that could not be read (an
+    # I/O error stood in for: the CRC-32 of rank00001.pt unreadable), a shard changed at its size with eval_only=True.
+    # Before, the first was a traceback (train.py caught only Damaged), the second named no fix
+    out_dir, message = broken(tmp_path, 'changed shard', older=True)
+    wrapper = tmp_path / 'unreadable.py'
+    wrapper.write_text(f"import runpy, sys\nsys.path.insert(0, {os.getcwd()!r})\nimport checkpoint\nread = checkpoint.crc32_of\n"
+                       "checkpoint.crc32_of = lambda f: None if f.endswith('rank00001.pt') else read(f)\n"
+                       "sys.argv[0] = 'train.py'\nrunpy.run_path('train.py', run_name='__main__')\n")
+    args = ['config/shakespeare_char.py', *ON_CPU, *SMALL, f'--out_dir={out_dir}', '--init_from=resume', '--max_iters=1000']
+    runs = [subprocess.Popen([sys.executable, str(wrapper), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+            subprocess.Popen([sys.executable, 'train.py', *args, '--eval_only=True'], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)]
+    said = [r.communicate(timeout=120) + (r.returncode,) for r in runs]
+    newest = ckpt(out_dir, 10)
+    assert said[0][2] == 1 and said[0][1] == (f"config error: {newest}/rank00001.pt could not be read (an I/O error on "
+                                              "the rank that checks it, not a changed file): run again, or move this "
+                                              "ckpt-* directory aside to resume from the one before\n"), said[0][1]
+    assert said[1][2] == 1 and said[1][1] == (f"config error: {message} (a disk or copy error) (eval_only=True evaluates the "
+                                              "newest checkpoint: move this one aside to evaluate the one before)\n"), said[1][1]
+    assert sorted(os.listdir(out_dir))[-1] == 'ckpt-00000010'  # nothing set aside by either
+
+
+def _save_on(rank, init_file, out_dir, said):
+    # rank 1 sees a ckpt-5 manifest that is not there (a stale view of a shared filesystem, where ckpt-5 was set aside
+    # since): rank 0's view decides for both, and both save. Before, rank 1 returned alone and left rank 0 in a barrier
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    cfg = {**CFG, 'zero_stage': 2, 'out_dir': out_dir}
+    engine = build(cfg, None)
+    if rank == 1:
+        exists = os.path.exists
+        os.path.exists = lambda p: p.endswith('ckpt-00000005/manifest.json') or exists(p)
+    path = checkpoint.save(engine, cfg, train.model_args(cfg, train.vocab_size(cfg)), 5, 9.9, log=QUIET)
+    json.dump(path, open(f'{said}{rank}', 'w'))
+    comm.end_process_group(CPU)
+
+
+def test_every_rank_saves_as_rank_0_sees_the_checkpoint_however_stale_another_ranks_view(tmp_path):
+    mp.spawn(_save_on, args=(str(tmp_path / 'init'), str(tmp_path / 'out'), str(tmp_path / 'said')), nprocs=2)
+    assert [json.load(open(tmp_path / f'said{r}')) for r in (0, 1)] == [ckpt(tmp_path / 'out', 5)] * 2
+    assert sorted(checkpoint.read_manifest(ckpt(tmp_path / 'out', 5))['files']) == ['rank00000.pt', 'rank00001.pt']
 
 
 def _verify_on(rank, init_file, path, said):

@@ -352,7 +352,7 @@ def main(cfg):
     model, engine = build(cfg, device, args)
     try:  # damaged, with nothing whole to fall back on (a CRC-32 is checked here): every rank stops, rank 0 says so
         iter_num, best_val_loss = checkpoint.load(engine, *resume, log=log, cfg=cfg) if resume else (0, 1e9)
-    except checkpoint.Damaged as e:
+    except ValueError as e:  # Damaged, or a file verify could not read: every rank alike (a MAX over the ranks)
         sys.exit(f"config error: {e}" if master_process else 1)
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
     optimizer = 'torch AdamW' if cfg['zero_stage'] == 0 else f'kernels.adamw_step, impl={impl}, {engine.cfg.precision}'
