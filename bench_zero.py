@@ -318,7 +318,8 @@ NOTES = """\
   (bound): peak count x largest + root unit. Not counted: autograd's .grad before it is copied, FSDP2's buffers.
 - exposed: time blocked in zero.Comm collectives (the rank blocked least); alone: the same collectives replayed
   without compute; hidden = 1 - exposed / alone. '–': not measured (torch's collectives run inside DDP/FSDP2;
-  on CUDA, exposed time is not the host's: wait() only orders streams)."""
+  on CUDA, exposed time is not the host's: wait() only orders streams; at world size 1 comm copies in place of a
+  collective, nothing to overlap)."""
 
 
 def references(kind):
@@ -364,7 +365,9 @@ def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):
         if ours(engines[kind]):
             e, a = exposed[k].quantile(0.5).item(), alone[k].quantile(0.5).item()
             cells += [f"{every[:, k, 1].max() / MB:.1f} ({every[:, k, 2].max() / MB:.1f})"]
-            if torch.device(cfg['device']).type == 'cpu':
+            if world_size == 1:  # comm's copies in place of the collectives ([Note: one rank]): nothing to hide
+                cells += [f"{e * 1e3:.1f} ({e / step:.0%})", f"{a * 1e3:.1f}", '–']
+            elif torch.device(cfg['device']).type == 'cpu':
                 cells += [f"{e * 1e3:.1f} ({e / step:.0%})", f"{a * 1e3:.1f}", f"{1 - e / a:.0%}"]
             else:  # wait() on a CUDA work handle only orders streams: the host is not blocked, nothing to time
                 cells += ['–', f"{a * 1e3:.1f}", '–']
