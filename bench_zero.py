@@ -8,7 +8,9 @@ same model, seed and batches, in one run (2 gloo ranks on CPU, config/shakespear
     torchrun --standalone --nproc_per_node=2 bench.py zero --kinds=zero2,zero3,zero3:blocks_per_unit=2
 
 A kind of ours (ddp, zero1-3) may carry settings of its own after a colon (kind:key=value:key=value, from
-SETTINGS: how the engine is built): the same kind under two settings takes turns like any two kinds.
+SETTINGS: how the engine is built): the same kind under two settings takes turns like any two kinds. At world 1,
+zero1-3 may also take `through_backend`: their collectives then go through gloo or NCCL instead of comm's copies
+([Note: one rank]), e.g. --kinds=ddp,zero2,zero2:through_backend on one GPU.
 
 Per kind: the median step time (what train.py's loop does per iteration at a fixed lr: train.train_batches, this
 rank's gradient_accumulation_steps / world micro-batches, then train.train_step; the slowest rank; ours and DDP built
@@ -96,7 +98,9 @@ def build(kind, cfg, device):
     kind, cfg = settings_of(kind, cfg)
     args = train.model_args(cfg, train.vocab_size(cfg))
     if kind == 'ddp' or kind.startswith('zero'):
-        return train.build({**cfg, 'zero_stage': 0 if kind == 'ddp' else int(kind[-1])}, device, args)[1]
+        engine = train.build({**cfg, 'zero_stage': 0 if kind == 'ddp' else int(kind[-1])}, device, args)[1]
+        engine.comm.alone &= not cfg['through_backend']
+        return engine
     with torch.device('cpu'):  # the same weights (meta init equals a plain GPT's), then on the run's device
         model = GPT(GPTConfig(**args), seed=cfg['seed']).to(device)
     zcfg = train.zero_config(cfg)
@@ -126,13 +130,19 @@ SETTINGS = ('blocks_per_unit', 'prefetch', 'reshard_after_forward', 'bucket_mb',
 
 
 def settings_of(kind, cfg):
-    """'zero3:blocks_per_unit=2' -> ('zero3', cfg with blocks_per_unit=2), checked as train.py checks --key=value."""
+    """'zero3:blocks_per_unit=2' -> ('zero3', cfg with blocks_per_unit=2), checked as train.py checks --key=value.
+    'zero2:through_backend': at world 1 our collectives call the backend as at any world size, where comm otherwise
+    copies (comm [Note: one rank]): the two side by side time what skipping it saves (cfg['through_backend'])."""
     kind, *sets = kind.split(':')
+    through = 'through_backend' in sets
+    sets = [s for s in sets if s != 'through_backend']
     keys = [s.partition('=')[0] for s in sets]
+    if through and kind not in ('zero1', 'zero2', 'zero3'):
+        raise ValueError(f"{kind}:through_backend: only zero1-3 call the backend through comm (DDP and FSDP2 call their own)")
     if sets and (kind not in ('ddp', 'zero1', 'zero2', 'zero3') or not set(keys) <= set(SETTINGS)):
         raise ValueError(f"{kind}:{':'.join(sets)}: only ddp and zero1-3 take settings of their own, and only "
-                         f"{', '.join(SETTINGS)} (the others apply to every kind: --set)")
-    return kind, train.parse_config([f'--{s}' for s in sets], defaults=cfg)
+                         f"{', '.join(SETTINGS)} or through_backend (the others apply to every kind: --set)")
+    return kind, {**train.parse_config([f'--{s}' for s in sets], defaults=cfg), 'through_backend': through}
 
 
 def model_state_bytes(engine):

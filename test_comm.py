@@ -496,6 +496,20 @@ def test_at_world_1_a_collective_is_a_copy_or_nothing_counted_as_sent_and_never_
             through[name] = run
 
 
+def test_bench_zeros_through_backend_kind_calls_the_backend_at_world_1(gloo_world, monkeypatch):
+    # bench.py zero's A/B of [Note: one rank]: 'zero2:through_backend' reduce-scatters through gloo, 'zero2' copies
+    import bench_zero
+    called = []
+    monkeypatch.setattr(comm, 'REDUCE_SCATTER', lambda *a, real=comm.REDUCE_SCATTER, **kw: called.append(1) or real(*a, **kw))
+    cfg = train.parse_config(['--device=cpu', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=8',
+                              '--batch_size=1', '--dataset=shakespeare_char'])
+    for kind, through in (('zero2', False), ('zero2:through_backend', True)):
+        engine, before = bench_zero.build(kind, cfg, torch.device('cpu')), len(called)
+        x = torch.randint(65, (1, 8))
+        train.train_step(engine, [(x, x)], 1e-3, nullcontext())
+        assert engine.comm.alone is not through and (len(called) > before) is through, kind
+
+
 # -----------------------------------------------------------------------------
 # the end of a run ([Note: the end of a run])
 

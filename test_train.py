@@ -289,6 +289,13 @@ def test_bench_zero_takes_only_settings_that_change_how_our_engine_is_built():
     for bad in ('fsdp2:blocks_per_unit=2', 'zero3:batch_size=4', 'zero3:blocks_per_unit=two'):
         with pytest.raises(ValueError, match='settings of their own|takes an int'):
             bench_zero.settings_of(bad, cfg)
+    # an A/B of comm's [Note: one rank]: zero1-3 through the backend at world 1
+    assert [bench_zero.settings_of(k, cfg)[1]['through_backend'] for k in ('zero2', 'zero2:through_backend')] == [False, True]
+    kind, own = bench_zero.settings_of('zero3:through_backend:blocks_per_unit=3', cfg)
+    assert kind == 'zero3' and own['through_backend'] and own['blocks_per_unit'] == 3
+    for bad in ('ddp:through_backend', 'fsdp2:through_backend'):
+        with pytest.raises(ValueError, match='only zero1-3 call the backend through comm'):
+            bench_zero.settings_of(bad, cfg)
 
 
 def test_bench_zero_ratios_are_taken_round_by_round():
