@@ -375,8 +375,9 @@ def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):
         if ours(engines[kind]):
             e, a = exposed[k].quantile(0.5).item(), alone[k].quantile(0.5).item()
             cells += [f"{every[:, k, 1].max() / MB:.1f} ({every[:, k, 2].max() / MB:.1f})"]
-            if world_size == 1:  # comm's copies in place of the collectives ([Note: one rank]): nothing to hide
-                cells += [f"{e * 1e3:.1f} ({e / step:.0%})", f"{a * 1e3:.1f}", '–']
+            if world_size == 1:  # comm's copies in place of the collectives ([Note: one rank]): nothing to hide, and
+                # nothing to replay (the trace's buffers are one per shape: a copy's out and inp are one tensor there)
+                cells += [f"{e * 1e3:.1f} ({e / step:.0%})" if torch.device(cfg['device']).type == 'cpu' else '–', '–', '–']
             elif torch.device(cfg['device']).type == 'cpu':
                 cells += [f"{e * 1e3:.1f} ({e / step:.0%})", f"{a * 1e3:.1f}", f"{1 - e / a:.0%}"]
             else:  # wait() on a CUDA work handle only orders streams: the host is not blocked, nothing to time

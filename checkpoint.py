@@ -270,10 +270,16 @@ def read_manifest(path):
         except FileNotFoundError:
             raise Damaged(f"{file} is missing (the manifest lists it): the checkpoint is incomplete") from None
         except OSError as e:  # EIO, ESTALE, EACCES: not known damage, as verify's file that could not be read
-            raise ValueError(f"{file} could not be looked at ({e.strerror}): run again, or move {path} aside") from None
+            raise Unreadable(f"{file} could not be looked at ({e.strerror or type(e).__name__}): run again, or move "
+                             f"{path} aside") from None
         if found != size:
             raise Damaged(f"{file} is truncated or changed: {found:,} bytes, the manifest says {size:,}")
     return manifest
+
+
+class Unreadable(ValueError):
+    """A checkpoint file that could not be read or looked at (an I/O error, a stale handle): not known damage, and it may
+    pass. read_manifest's is one rank's view (one node's); verify's is every rank's (a MAX over them)."""
 
 
 class Damaged(ValueError):
@@ -302,7 +308,7 @@ def verify(path, manifest, comm=None):
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.process_group)  # start-up only: not counted
     flags = flags.tolist()
     if 2 in flags:
-        raise ValueError(f"{os.path.join(path, names[flags.index(2)])} could not be read (an I/O error on the rank "
+        raise Unreadable(f"{os.path.join(path, names[flags.index(2)])} could not be read (an I/O error on the rank "
                          "that checks it, not a changed file): run again, or " + ("move this ckpt-* directory aside to "
                          "resume from the one before" if comm else "name an older ckpt-* directory"))
     bad = [n for n, c in zip(names, flags) if c]
@@ -518,7 +524,7 @@ def load(engine, path, manifest, damaged=(), log=print, cfg=None):
             raise
         if cfg.get('eval_only'):  # as find_resume: no fallback
             raise ChangedFile(f"{e} (eval_only=True evaluates the newest checkpoint: move this one aside to evaluate "
-                              "the one before)") from None
+                              "an older one)") from None
         try:
             older = find_resume(cfg, manifest['model_args'], before=path)
         except ValueError as more:  # none older, or each older one's own reason

@@ -82,7 +82,8 @@ DONE = Done()
 # them as that copy, or nothing, and never calls the backend, which would still do its own work for each: gloo hands
 # it to a worker thread and copies (here, 2 CPU cores: ~100 us a call, 6.1 ms to reduce-scatter 26 MB that a copy_
 # moves in 1.8, 6.6 ms to all-gather 26 MB in place where nothing moves); NCCL launches a kernel on its own stream
-# and orders it with the caller's by events. torch's FSDP2 skips them so too. They are still counted: the log's
+# and orders it with the caller's by events. torch's FSDP2 skips them so too (and avoids NCCL's average at world 1,
+# which "may produce incorrect results", its _fsdp_collectives.py says). They are still counted: the log's
 # figures are what the same step sends at any world size. (An all-gather into its own input, as stages 1/2 gather
 # their params, is then no work at all.) The async paths are then never taken at world 1, where the tests and a
 # one-GPU machine run: tests of them set Comm.skip_backend_alone = False, which calls the backend as at any size.
@@ -124,6 +125,12 @@ class Comm:
         work = self.link.start(kind, nbytes, self.world_size, self.device)
         return work if async_op else work.wait()  # a synchronous collective returns when it is done (None)
 
+    @staticmethod
+    def check_alone(out, inp):
+        """What the backend refuses, refused at world 1 too ([Note: one rank]): out and inp of one size and dtype."""
+        if out.numel() != inp.numel() or out.dtype != inp.dtype:
+            raise ValueError(f"a collective at world 1 of {inp.numel()} {inp.dtype} into {out.numel()} {out.dtype}")
+
     def count(self, kind, tensor, factor=1):
         self.numel[kind] += factor * tensor.numel()
         self.bytes[kind] += factor * tensor.numel() * tensor.element_size()
@@ -132,6 +139,7 @@ class Comm:
         self.count('all_gather', out)
         with traced(name):
             if self.alone:  # out is inp, so nothing moves where inp is out's one row (stages 1/2 gather in place)
+                self.check_alone(out, inp)
                 if out.data_ptr() != inp.data_ptr():
                     out.copy_(inp)
                 return DONE if async_op else None
@@ -144,6 +152,7 @@ class Comm:
         self.count('reduce_scatter', inp)
         with traced(name):
             if self.alone:  # the average of one rank's values: the values
+                self.check_alone(out, inp)
                 out.copy_(inp)
                 return DONE if async_op else None
             work = REDUCE_SCATTER(out, inp, op=dist.ReduceOp.AVG, group=self.process_group, async_op=async_op)

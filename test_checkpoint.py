@@ -865,8 +865,26 @@ def test_train_py_stops_in_one_line_at_a_file_it_cannot_read_and_at_a_changed_on
                                               "the rank that checks it, not a changed file): run again, or move this "
                                               "ckpt-* directory aside to resume from the one before\n"), said[0][1]
     assert said[1][2] == 1 and said[1][1] == (f"config error: {message} (a disk or copy error) (eval_only=True evaluates the "
-                                              "newest checkpoint: move this one aside to evaluate the one before)\n"), said[1][1]
+                                              "newest checkpoint: move this one aside to evaluate an older one)\n"), said[1][1]
     assert sorted(os.listdir(out_dir))[-1] == 'ckpt-00000010'  # nothing set aside by either
+
+
+def test_a_file_one_rank_cannot_look_at_is_said_by_that_rank(tmp_path):
+    # a stale handle on one node: rank 1 alone cannot stat rank00001.pt (rank 0 can). Rank 1 stops with the file named,
+    # in its own line (rank 0 says only what rank 0 saw; before, rank 1 exited 1 without a word)
+    out_dir, _ = broken(tmp_path, 'nothing left to train')
+    shard = os.path.join(ckpt(out_dir, 10), 'rank00001.pt')
+    wrapper = tmp_path / 'stale.py'
+    wrapper.write_text(f"import errno, os, runpy, sys\nsys.path.insert(0, {os.getcwd()!r})\nstat = os.stat\n"
+                       f"def failing(p, *a, **k):\n    if os.environ['RANK'] == '1' and str(p) == {shard!r}:\n"
+                       "        raise OSError(errno.ESTALE, 'Stale file handle', p)\n    return stat(p, *a, **k)\n"
+                       "os.stat = failing\nsys.argv[0] = 'train.py'\nrunpy.run_path('train.py', run_name='__main__')\n")
+    cmd = torchrun_cmd(2, f'--out_dir={out_dir}', '--init_from=resume', '--max_iters=1000')
+    cmd[cmd.index('train.py')] = str(wrapper)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert r.returncode != 0 and (f"rank 1: config error: {shard} could not be looked at (Stale file handle): run "
+                                  f"again, or move {ckpt(out_dir, 10)} aside") in r.stderr, r.stderr[-3000:]
+    assert sorted(os.listdir(out_dir))[-1] == 'ckpt-00000010'  # nothing set aside
 
 
 def _save_on(rank, init_file, out_dir, said):

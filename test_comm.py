@@ -484,6 +484,11 @@ def test_at_world_1_a_collective_is_a_copy_or_nothing_counted_as_sent_and_never_
         assert c.all_gather(inp, inp.view(6)) is None and torch.equal(inp, torch.arange(6.0))  # in place: no work
         c.all_reduce_sum(total)
         assert total.item() == 2.5 and dict(c.numel) == {'reduce_scatter': 6, 'all_gather': 12, 'all_reduce': 2}
+        if skip:  # what the backend refuses, refused too: a collective of two sizes or dtypes
+            for a, b in ((torch.zeros(3), inp), (torch.zeros(6, dtype=torch.bfloat16), inp)):
+                for collective in (c.reduce_scatter, c.all_gather):
+                    with pytest.raises(ValueError, match='a collective at world 1 of 6 torch.float32 into'):
+                        collective(a, b)
         with torch.profiler.profile() as prof:  # train.py's profile=True names each collective, at world 1 too
             c.reduce_scatter(out, inp, name='reduce_scatter bucket 7')
             c.all_gather(inp, inp, name='all_gather unit 3')

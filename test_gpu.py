@@ -8,7 +8,8 @@ with one line saying why, where it is not; the CPU suite (every other test_*.py)
 A GPU machine without internet needs the git-ignored data carried over: data/shakespeare*/ train.bin, val.bin,
 meta.json, and data/shakespeare/vocab.bpe, encoder.json (GPT-2's BPE, written there by prepare.py).
 
-Every train.py run is a real process (python train.py ... --device=cuda: world 1 on NCCL), started together at
+Every train.py run is a real process (python train.py ... --device=cuda: world 1, where comm copies in place of
+NCCL's collectives, comm [Note: one rank]; the in-process cases further down call NCCL), started together at
 the first test that needs one (each with its own port and 2 CPU threads) and asserted on by the tests below:
 the loss finite and falling, the log lines, the files written. NANOZERO_GPU_TESTS_ON_CPU=1 runs the same
 harness on the CPU (gloo, fp32, small models: the assertions that need CUDA are left out) to check the
@@ -61,7 +62,7 @@ PRECISION = {  # every key of what the optimizer stores, each at a stage (the CU
     'remainder + int8': (3, ['--master_weights=remainder', '--state_dtype=int8']),
     'none + stochastic rounding': (2, ['--master_weights=none', '--stochastic_rounding=True']),
     'fp16 + loss scaling': (3, ['--dtype=float16'] if GPU else []),
-    'bf16 reductions': (1, ['--reduce_dtype=bfloat16']),  # NCCL's bf16 reduce-scatter; stage 1's flat grad in bf16
+    'bf16 reductions': (1, ['--reduce_dtype=bfloat16']),  # stage 1's flat grad and its world-1 reduce-scatter in bf16
 }
 
 
@@ -225,7 +226,7 @@ def test_compiled_stage_trains(stage):
 
 
 def test_compiled_stage_3_with_blocks_grouped_into_units_trains():
-    """fsdp_lite [Note: blocks per unit]: 3 blocks as a unit of 2 and a unit of 1, compiled per block, on NCCL."""
+    """fsdp_lite [Note: blocks per unit]: 3 blocks as a unit of 2 and a unit of 1, compiled per block, on a GPU."""
     log = ok('compile stage 3 at 2 blocks a unit')
     assert 'compiling with torch.compile' in log
     assert_trains(log, 3)
@@ -492,7 +493,10 @@ def test_at_world_1_the_stages_skip_nccl_and_end_where_nccl_takes_them(nccl_worl
     monkeypatch.setattr(dist, 'all_reduce', never)
     for (stage, dtype, kw), run in zip(kinds, through):
         alone = run_stage(device, stage, dtype, **kw)
-        assert_same_run(alone, run, rtol=0, atol=0)
+        try:  # (torch's FSDP2 avoids NCCL's AVG at world 1: "may produce incorrect results", its comment says)
+            assert_same_run(alone, run, rtol=0, atol=0)
+        except AssertionError as e:
+            raise AssertionError(f"stage {stage}, NCCL {torch.cuda.nccl.version() if GPU else '-'}: {e}") from None
         assert alone['evals'] == run['evals']
 
 

@@ -352,7 +352,7 @@ def main(cfg):
     model, engine = build(cfg, device, args)
     try:  # damaged, with nothing whole to fall back on (a CRC-32 is checked here): every rank stops, rank 0 says so
         iter_num, best_val_loss = checkpoint.load(engine, *resume, log=log, cfg=cfg) if resume else (0, 1e9)
-    except ValueError as e:  # Damaged, or a file verify could not read: every rank alike (a MAX over the ranks)
+    except (checkpoint.Damaged, checkpoint.Unreadable) as e:  # every rank alike (verify's MAX, find_resume's files)
         sys.exit(f"config error: {e}" if master_process else 1)
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
     optimizer = 'torch AdamW' if cfg['zero_stage'] == 0 else f'kernels.adamw_step, impl={impl}, {engine.cfg.precision}'
@@ -447,7 +447,8 @@ if __name__ == '__main__':
         if os.path.exists(os.path.join(data_dir(config), 'meta.json')):  # else the vocab is known after preparing it
             checkpoint.find_resume(config, model_args(config, vocab_size(config)))  # a bad checkpoint: one line too
     except ValueError as e:  # one line, once (torchrun starts every rank with the same mistake), exit code 1
-        if int(os.environ.get('RANK', 0)) == 0:
-            print(f"config error: {e}", file=sys.stderr)
+        rank = int(os.environ.get('RANK', 0))
+        if rank == 0 or isinstance(e, checkpoint.Unreadable):  # a file one node could not look at: that rank says so
+            print(f"config error: {e}" if rank == 0 else f"rank {rank}: config error: {e}", file=sys.stderr)
         sys.exit(1)
     main(config)
