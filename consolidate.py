@@ -16,12 +16,13 @@ import sys
 import torch
 
 import checkpoint
+import resume
 from model import GPT, GPTConfig
 
 
 def resolve(path):
     """A checkpoint directory, or an out_dir (its newest complete checkpoint)."""
-    found = path if os.path.exists(os.path.join(path, 'manifest.json')) else checkpoint.latest(path)
+    found = path if os.path.exists(os.path.join(path, 'manifest.json')) else resume.latest(path)
     if found is None:
         raise ValueError(f"{path}: neither a checkpoint (no manifest.json) nor an out_dir with one (ckpt-*/manifest.json)")
     return found
@@ -32,8 +33,8 @@ def full_state_dict(path, dtype=torch.float32):
     names (torch.save stores it once; GPT.load_state_dict(strict=True) finds both). Peak memory: the model
     plus the pages of the shards being read."""
     path = resolve(path)
-    manifest = checkpoint.read_manifest(path)
-    checkpoint.verify(path, manifest)  # every file's CRC-32, before any is read
+    manifest = resume.read_manifest(path)
+    resume.verify(path, manifest)  # every file's CRC-32, before any is read
     shards = checkpoint.Shards(path, manifest)
     with torch.device('meta'):
         model = GPT(GPTConfig(**manifest['model_args']))
@@ -64,7 +65,7 @@ if __name__ == '__main__':
     args = parser.parse_args()
     try:
         manifest = consolidate(args.path, args.output, getattr(torch, args.dtype))
-    except checkpoint.Damaged as e:  # no fallback here: the user names the checkpoint
+    except resume.Damaged as e:  # no fallback here: the user names the checkpoint
         sys.exit(f"checkpoint error: {e}; name an older ckpt-* directory")
     except ValueError as e:
         sys.exit(f"checkpoint error: {e}")

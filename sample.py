@@ -13,6 +13,7 @@ import os
 import torch
 
 import checkpoint
+import resume
 import consolidate
 from model import GPT, GPTConfig
 
@@ -81,10 +82,10 @@ def main(argv=None):
     path = args.ckpt or args.out_dir
     try:
         model, info = load_model(path)
-    except checkpoint.Damaged as e:
+    except resume.Damaged as e:
         raise SystemExit(f"cannot sample from {path}: {e}; name an older ckpt-* directory")
     except (ValueError, FileNotFoundError) as e:  # nothing there yet: say how to make one
-        none = not os.path.exists(path) or (os.path.isdir(path) and checkpoint.latest(path) is None
+        none = not os.path.exists(path) or (os.path.isdir(path) and resume.latest(path) is None
                                             and not os.path.exists(os.path.join(path, 'manifest.json')))
         raise SystemExit(f"cannot sample from {path}: {e}" + " (train first: train.py saves a checkpoint at each eval "
                          "that improves)" * none)

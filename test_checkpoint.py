@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import checkpoint
+import resume
 import consolidate
 import comm
 import sample
@@ -98,7 +99,7 @@ def run(rank, groups, job_dir, r):
     engine = build(cfg, groups[r.world])
     if r.resume:
         path = os.path.join(job_dir, r.resume)
-        assert checkpoint.load(engine, path, checkpoint.read_manifest(path), log=QUIET)[0] == r.start
+        assert checkpoint.load(engine, path, resume.read_manifest(path), log=QUIET)[0] == r.start
     data = train.load_split(train.data_dir(cfg), 'train')
     out = dict(losses={}, norms={})
     for it in range(r.start, r.stop + 1):
@@ -279,7 +280,7 @@ def test_resume_at_the_same_layout_continues_bit_identically(stage):
     assert_same_run(as_run(runs['resumed'], ckpt(d + '/resumed', 10), later),
                     as_run(runs['no save'], ckpt(d + '/no save', 10), later), rtol=0, atol=0)
     assert_same_files(ckpt(d + '/resumed', 10), ckpt(d + '/no save', 10))  # exp_avg, exp_avg_sq, step count too
-    assert checkpoint.read_manifest(ckpt(d + '/resumed', 10))['step_count'] == 10
+    assert resume.read_manifest(ckpt(d + '/resumed', 10))['step_count'] == 10
 
 
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
@@ -303,7 +304,7 @@ def test_resume_at_another_world_size_and_stage_stays_within_the_oracle_toleranc
 def saved_and_resaved(job_dir):
     """A resave job's two checkpoints as Shards, and every stored number of every param in both, decoded to fp32:
     [(param, population, saved, resaved)]."""
-    a, b = (checkpoint.Shards(p, checkpoint.read_manifest(p))
+    a, b = (checkpoint.Shards(p, resume.read_manifest(p))
             for p in (consolidate.resolve(os.path.join(job_dir, r)) for r in ('saved', 'resaved')))
     with torch.device('meta'):
         model = GPT(GPTConfig(**a.manifest['model_args']))
@@ -383,14 +384,14 @@ def test_stage3_save_writes_only_own_shards_in_one_bucket_plus_own_shards_of_mem
 
 def test_manifest_is_written_after_every_rank_finished_its_file():
     _, d = job('slow writer')  # rank 1 writes its file a second late
-    manifest = checkpoint.read_manifest(ckpt(d + '/slow', 1))
+    manifest = resume.read_manifest(ckpt(d + '/slow', 1))
     assert sorted(manifest['files']) == ['rank00000.pt', 'rank00001.pt']
     consolidate.full_state_dict(ckpt(d + '/slow', 1))
 
 
 def test_manifest_describes_the_layout_and_the_run():
     _, d = job('stage 3 on 2 -> stage 1 on 3')
-    m = checkpoint.read_manifest(ckpt(d + '/saved', 2))
+    m = resume.read_manifest(ckpt(d + '/saved', 2))
     assert (m['format'], m['stage'], m['world_size'], m['iter_num'], m['param_dtype']) == (1, 3, 2, 2, 'float32')
     assert m['populations'] == {'master': 'float32', 'exp_avg': 'float32', 'exp_avg_sq': 'float32'}
     assert m['config']['dataset'] == 'shakespeare_char' and m['data_position'] == {'seed': 1337, 'next_iteration': 2}
@@ -418,10 +419,10 @@ def test_partial_checkpoints_are_ignored_and_removed_by_the_next_save(tmp_path):
     shutil.copytree(ckpt(d + '/saved', 2), ckpt(tmp_path, 1))
     os.remove(os.path.join(ckpt(tmp_path, 1), 'manifest.json'))
     shutil.copytree(ckpt(d + '/saved', 2), ckpt(tmp_path, 3) + '.tmp')
-    assert checkpoint.latest(tmp_path) == ckpt(tmp_path, 2)
+    assert resume.latest(tmp_path) == ckpt(tmp_path, 2)
     _, d = job('litter')  # the same litter, then saves at 1 and 2 with keep_last=1
     assert os.listdir(d + '/out') == ['ckpt-00000002']
-    assert sorted(checkpoint.read_manifest(ckpt(d + '/out', 2))['files']) == ['rank00000.pt', 'rank00001.pt']
+    assert sorted(resume.read_manifest(ckpt(d + '/out', 2))['files']) == ['rank00000.pt', 'rank00001.pt']
 
 
 # -----------------------------------------------------------------------------
@@ -679,9 +680,9 @@ def test_bad_checkpoint_is_an_error_naming_the_file_and_the_problem(tmp_path, ho
     cfg = {**CFG, 'out_dir': out_dir, 'init_from': 'resume', 'n_layer': 3 if how == 'another model' else 2,
            'max_iters': 10 if how == 'nothing left to train' else 1000}
     with pytest.raises(ValueError) as e:
-        path, manifest, damaged = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
-        checkpoint.verify(path, manifest)  # as load() does before it reads a file
-    assert message in str(e.value) and isinstance(e.value, checkpoint.Damaged) == (how in DAMAGE)
+        path, manifest, damaged = resume.find_resume(cfg, train.model_args(cfg, 128))
+        resume.verify(path, manifest)  # as load() does before it reads a file
+    assert message in str(e.value) and isinstance(e.value, resume.Damaged) == (how in DAMAGE)
 
 
 @pytest.mark.parametrize('how', ERRORS)
@@ -695,26 +696,26 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before_and_nothi
            'max_iters': 10 if how == 'nothing left to train' else 1000}
     if how not in DAMAGE:
         with pytest.raises(ValueError, match=re.escape(message)):
-            checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+            resume.find_resume(cfg, train.model_args(cfg, 128))
         return
-    path, manifest, damaged = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+    path, manifest, damaged = resume.find_resume(cfg, train.model_args(cfg, 128))
     if how == 'changed shard':  # its manifest and sizes are whole
         assert (path, damaged) == (ckpt(out_dir, 10), [])
         return
     assert (path, manifest['iter_num']) == (ckpt(out_dir, 9), 9) and len(damaged) == 1
     assert damaged[0][0] == ckpt(out_dir, 10) and message in damaged[0][1]
-    with pytest.raises(checkpoint.Damaged, match=re.escape(f"{message}") + r".*\(eval_only=True evaluates the newest"):
-        checkpoint.find_resume({**cfg, 'eval_only': True}, train.model_args(cfg, 128))
+    with pytest.raises(resume.Damaged, match=re.escape(f"{message}") + r".*\(eval_only=True evaluates the newest"):
+        resume.find_resume({**cfg, 'eval_only': True}, train.model_args(cfg, 128))
     os.remove(os.path.join(ckpt(out_dir, 9), 'rank00000.pt'))
-    path, _, damaged = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+    path, _, damaged = resume.find_resume(cfg, train.model_args(cfg, 128))
     assert path == ckpt(out_dir, 8) and [p for p, _ in damaged] == [ckpt(out_dir, 10), ckpt(out_dir, 9)]
     logged, alone = [], types.SimpleNamespace(rank=0, world_size=1, fake=False, device=CPU, process_group=None)
-    checkpoint.set_aside([(ckpt(out_dir, 10), 'why')], alone, logged.append)
+    resume.set_aside([(ckpt(out_dir, 10), 'why')], alone, logged.append)
     os.makedirs(ckpt(out_dir, 10))  # damaged twice at one iteration: the second is set aside beside the first
-    checkpoint.set_aside([(ckpt(out_dir, 10), 'why')], alone, logged.append)
+    resume.set_aside([(ckpt(out_dir, 10), 'why')], alone, logged.append)
     assert sorted(os.listdir(out_dir))[-2:] == ['ckpt-00000010.2.damaged', 'ckpt-00000010.damaged']
     assert logged[0] == "warning: why; set aside as ckpt-00000010.damaged, resuming from an older checkpoint"
-    assert checkpoint.latest(out_dir) == ckpt(out_dir, 9)  # neither name is a checkpoint to resume or to prune
+    assert resume.latest(out_dir) == ckpt(out_dir, 9)  # neither name is a checkpoint to resume or to prune
 
 
 @pytest.mark.parametrize('how', ['changed', 'missing'])
@@ -748,7 +749,7 @@ def _load_on(rank, init_file, out_dir, said):
     cfg = {**CFG, 'zero_stage': 2, 'out_dir': out_dir}
     path = ckpt(out_dir, 10 - rank)
     try:
-        checkpoint.load(build(cfg, None), path, checkpoint.read_manifest(path), log=QUIET)
+        checkpoint.load(build(cfg, None), path, resume.read_manifest(path), log=QUIET)
     except RuntimeError as e:
         json.dump(str(e), open(f'{said}{rank}', 'w'))
     comm.end_process_group(torch.device('cpu'))
@@ -760,8 +761,8 @@ def _set_aside_on(rank, init_file, out_dir, said):
     if rank == 0:
         os.rename = lambda a, b: (_ for _ in ()).throw(PermissionError(errno.EACCES, 'Permission denied'))
     try:
-        checkpoint.set_aside([(ckpt(out_dir, 10), 'why')], comm.Comm(None, CPU), QUIET)
-    except checkpoint.Damaged as e:
+        resume.set_aside([(ckpt(out_dir, 10), 'why')], comm.Comm(None, CPU), QUIET)
+    except resume.Damaged as e:
         json.dump(str(e), open(f'{said}{rank}', 'w'))
     comm.end_process_group(CPU)
 
@@ -787,9 +788,9 @@ def test_a_checkpoint_saved_before_checksums_resumes_and_consolidates_as_before(
     manifest = json.load(open(os.path.join(path, 'manifest.json')))
     json.dump({k: v for k, v in manifest.items() if k != 'crc32'}, open(os.path.join(path, 'manifest.json'), 'w'))
     cfg = {**CFG, 'out_dir': out_dir, 'init_from': 'resume', 'max_iters': 1000}
-    found, old, damaged = checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+    found, old, damaged = resume.find_resume(cfg, train.model_args(cfg, 128))
     assert 'crc32' not in old and found == path and damaged == []
-    checkpoint.verify(path, old)
+    resume.verify(path, old)
     assert set(consolidate.full_state_dict(path)[0]) == set(consolidate.full_state_dict(straight_run()[0])[0])
 
 
@@ -800,18 +801,18 @@ def test_a_shard_that_cannot_be_read_is_a_flag_but_not_damage(tmp_path):
     out_dir = str(tmp_path / 'out')
     shutil.copytree(straight_run()[0], out_dir)
     path = ckpt(out_dir, 10)
-    manifest = checkpoint.read_manifest(path)
+    manifest = resume.read_manifest(path)
     os.remove(os.path.join(path, 'rank00001.pt'))
     os.mkdir(os.path.join(path, 'rank00001.pt'))
     with pytest.raises(ValueError, match=re.escape(f"{path}/rank00001.pt could not be read (an I/O error on the rank "
                                                    "that checks it, not a changed file): run again")) as e:
-        checkpoint.verify(path, manifest)
-    assert not isinstance(e.value, checkpoint.Damaged)
+        resume.verify(path, manifest)
+    assert not isinstance(e.value, resume.Damaged)
 
 
 def test_consolidate_and_sample_refuse_a_changed_shard_in_one_line(tmp_path, monkeypatch):
     out_dir, message = broken(tmp_path, 'changed shard')
-    with pytest.raises(checkpoint.ChangedFile, match=re.escape(message)):
+    with pytest.raises(resume.ChangedFile, match=re.escape(message)):
         consolidate.consolidate(out_dir, str(tmp_path / 'model.pt'))
     assert not os.path.exists(tmp_path / 'model.pt')
     argv = [f'--out_dir={out_dir}', '--device=cpu', '--max_new_tokens=2']
@@ -819,7 +820,7 @@ def test_consolidate_and_sample_refuse_a_changed_shard_in_one_line(tmp_path, mon
         sample.main(argv)
     assert message in str(e.value) and 'train first' not in str(e.value) and '\n' not in str(e.value)
     # a file that could not be read: its fix for one process (no "resume"), and no "train first" either
-    monkeypatch.setattr(checkpoint, 'crc32_of', lambda file: None)
+    monkeypatch.setattr(resume, 'crc32_of', lambda file: None)
     with pytest.raises(SystemExit) as e:
         sample.main(argv)
     assert str(e.value).endswith("not a changed file): run again, or name an older ckpt-* directory")
@@ -841,8 +842,8 @@ def test_a_shard_that_cannot_be_looked_at_is_an_error_not_damage(tmp_path, monke
     monkeypatch.setattr(os, 'stat', failing_stat)
     cfg = {**CFG, 'out_dir': out_dir, 'init_from': 'resume', 'max_iters': 1000}
     with pytest.raises(ValueError) as e:
-        checkpoint.find_resume(cfg, train.model_args(cfg, 128))
-    assert not isinstance(e.value, checkpoint.Damaged) and str(e.value) == (
+        resume.find_resume(cfg, train.model_args(cfg, 128))
+    assert not isinstance(e.value, resume.Damaged) and str(e.value) == (
         f"{shard} could not be looked at (Input/output error): run again, or move {ckpt(out_dir, 10)} aside")
 
 
@@ -852,8 +853,8 @@ def test_train_py_stops_in_one_line_at_a_file_it_cannot_read_and_at_a_changed_on
     # Before, the first was a traceback (train.py caught only Damaged), the second named no fix
     out_dir, message = broken(tmp_path, 'changed shard', older=True)
     wrapper = tmp_path / 'unreadable.py'
-    wrapper.write_text(f"import runpy, sys\nsys.path.insert(0, {os.getcwd()!r})\nimport checkpoint\nread = checkpoint.crc32_of\n"
-                       "checkpoint.crc32_of = lambda f: None if f.endswith('rank00001.pt') else read(f)\n"
+    wrapper.write_text(f"import runpy, sys\nsys.path.insert(0, {os.getcwd()!r})\nimport resume\nread = resume.crc32_of\n"
+                       "resume.crc32_of = lambda f: None if f.endswith('rank00001.pt') else read(f)\n"
                        "sys.argv[0] = 'train.py'\nrunpy.run_path('train.py', run_name='__main__')\n")
     args = ['config/shakespeare_char.py', *ON_CPU, *SMALL, f'--out_dir={out_dir}', '--init_from=resume', '--max_iters=1000']
     runs = [subprocess.Popen([sys.executable, str(wrapper), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
@@ -905,17 +906,17 @@ def _save_on(rank, init_file, out_dir, said):
 def test_every_rank_saves_as_rank_0_sees_the_checkpoint_however_stale_another_ranks_view(tmp_path):
     mp.spawn(_save_on, args=(str(tmp_path / 'init'), str(tmp_path / 'out'), str(tmp_path / 'said')), nprocs=2)
     assert [json.load(open(tmp_path / f'said{r}')) for r in (0, 1)] == [ckpt(tmp_path / 'out', 5)] * 2
-    assert sorted(checkpoint.read_manifest(ckpt(tmp_path / 'out', 5))['files']) == ['rank00000.pt', 'rank00001.pt']
+    assert sorted(resume.read_manifest(ckpt(tmp_path / 'out', 5))['files']) == ['rank00000.pt', 'rank00001.pt']
 
 
 def _verify_on(rank, init_file, path, said):
     dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
     read = []
-    crc32_of = checkpoint.crc32_of
-    checkpoint.crc32_of = lambda file: read.append(os.path.basename(file)) or crc32_of(file)
+    crc32_of = resume.crc32_of
+    resume.crc32_of = lambda file: read.append(os.path.basename(file)) or crc32_of(file)
     try:
-        checkpoint.verify(path, checkpoint.read_manifest(path), comm.Comm(None, torch.device('cpu')))
-    except checkpoint.ChangedFile as e:
+        resume.verify(path, resume.read_manifest(path), comm.Comm(None, torch.device('cpu')))
+    except resume.ChangedFile as e:
         json.dump([str(e), read], open(f'{said}{rank}', 'w'))
     comm.end_process_group(torch.device('cpu'))
 
@@ -938,8 +939,8 @@ def test_on_nccl_the_checks_flags_live_on_the_ranks_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, 'tensor', lambda data, **kw: made.append(kw) or real_tensor(data, dtype=kw['dtype']))
     monkeypatch.setattr(dist, 'all_reduce', lambda t, op, group: reduced.append(op) or t.__setitem__(0, 1))
     on_gpu = types.SimpleNamespace(rank=1, world_size=2, fake=False, device=gpu, process_group=None)
-    with pytest.raises(checkpoint.ChangedFile, match=re.escape(message)):
-        checkpoint.verify(ckpt(out_dir, 10), checkpoint.read_manifest(ckpt(out_dir, 10)), on_gpu)
+    with pytest.raises(resume.ChangedFile, match=re.escape(message)):
+        resume.verify(ckpt(out_dir, 10), resume.read_manifest(ckpt(out_dir, 10)), on_gpu)
     assert made == [dict(dtype=torch.int64, device=gpu)] and reduced == [dist.ReduceOp.MAX]
 
 
@@ -989,7 +990,7 @@ def test_a_resumed_run_says_what_it_converts_and_which_batches_change():
     """checkpoint.resume_notes, printed by load: a changed storage precision is converted (the values exact where the
     new form holds every bit, else rounded once; test_precision.py resumes every mode at its own precision), and a
     changed seed, dataset, batch_size or gradient_accumulation_steps draws other batches than the saved run."""
-    manifest = checkpoint.read_manifest(ckpt(straight_run()[0], 10))
+    manifest = resume.read_manifest(ckpt(straight_run()[0], 10))
     same = train.zero_config(manifest['config'])
     assert checkpoint.resume_notes(manifest, same, manifest['config']) == []
     other = train.zero_config({**manifest['config'], 'state_dtype': 'int8', 'dtype': 'bfloat16'})
@@ -1016,7 +1017,7 @@ def test_with_dropout_a_resumed_run_draws_the_masks_the_straight_run_drew(tmp_pa
 def test_a_run_from_scratch_refuses_an_out_dir_with_checkpoints():
     cfg = {**CFG, 'out_dir': straight_run()[0], 'init_from': 'scratch'}
     with pytest.raises(ValueError, match=f"{ckpt(cfg['out_dir'], 10)} is a checkpoint of an earlier run"):
-        checkpoint.find_resume(cfg, train.model_args(cfg, 128))
+        resume.find_resume(cfg, train.model_args(cfg, 128))
 
 
 def test_the_loss_scale_carries_over_only_from_fp16_to_fp16():
@@ -1027,7 +1028,7 @@ def test_the_loss_scale_carries_over_only_from_fp16_to_fp16():
     for name in ('loss scale, fp16 stage 1 -> bf16 stage 1', 'loss scale, bf16 stage 2 -> fp16 stage 0',
                  'loss scale, fp16 stage 2 -> fp16 stage 3'):
         _, d = job(name)
-        scales[name] = [checkpoint.read_manifest(ckpt(os.path.join(d, run), 2))['loss_scale'] for run in ('saved', 'resaved')]
+        scales[name] = [resume.read_manifest(ckpt(os.path.join(d, run), 2))['loss_scale'] for run in ('saved', 'resaved')]
     saved, resaved = scales['loss scale, fp16 stage 1 -> bf16 stage 1']
     assert saved['scale'] > 1 and resaved == {'scale': 1.0, 'clean_steps': 0}
     saved, resaved = scales['loss scale, bf16 stage 2 -> fp16 stage 0']

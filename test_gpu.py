@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import resume
 from model import GPT, GPTConfig
 
 ON_CPU = os.environ.get('NANOZERO_GPU_TESTS_ON_CPU') == '1'
@@ -278,20 +279,20 @@ def test_a_stage_3_checkpoint_resumes_at_stage_2_consolidates_and_samples():
 
 
 def test_a_shard_changed_at_its_size_stops_verify_with_its_flags_on_the_gpu(tmp_path, monkeypatch):
-    # checkpoint.verify on the engine's device (NCCL takes no CPU tensor; at world 1 there is no MAX to run): the
+    # resume.verify on the engine's device (NCCL takes no CPU tensor; at world 1 there is no MAX to run): the
     # resume chain's newest checkpoint passes, then one byte of its shard changed is named
     assert result('resume chain')[0][0] == 0
     made, real_tensor = [], torch.tensor
     monkeypatch.setattr(torch, 'tensor', lambda *a, **kw: made.append(kw.get('device')) or real_tensor(*a, **kw))
     path = str(tmp_path / 'ckpt')
-    shutil.copytree(checkpoint.latest(f'{OUT}/save'), path)
+    shutil.copytree(resume.latest(f'{OUT}/save'), path)
     on = types.SimpleNamespace(rank=0, world_size=1, fake=False, process_group=None,
                                device=torch.device('cuda' if GPU else 'cpu'))
-    checkpoint.verify(path, checkpoint.read_manifest(path), on)
+    resume.verify(path, resume.read_manifest(path), on)
     from test_checkpoint import flip_a_byte
     flip_a_byte(os.path.join(path, 'rank00000.pt'))
-    with pytest.raises(checkpoint.ChangedFile, match='rank00000.pt does not match the CRC-32'):
-        checkpoint.verify(path, checkpoint.read_manifest(path), on)
+    with pytest.raises(resume.ChangedFile, match='rank00000.pt does not match the CRC-32'):
+        resume.verify(path, resume.read_manifest(path), on)
     assert made == [on.device, on.device]  # the flags, made where the engine's collectives run
 
 

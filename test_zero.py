@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import checkpoint
+import resume
 import comm
 import fsdp_lite
 import memory
@@ -202,7 +203,7 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
             path = checkpoint.save(engine, dict(out_dir=out_dir, keep_last=1), TINY, step, 0.0, log=lambda *a: None)
             model = tiny_model(rank, model_kw, frozen_and_unused, meta=True)
             engine = make_engine(kind, model, grad_clip, **zero_kw)
-            checkpoint.load(engine, path, checkpoint.read_manifest(path), log=lambda *a: None)
+            checkpoint.load(engine, path, resume.read_manifest(path), log=lambda *a: None)
         x = torch.randint(TINY['vocab_size'], (accum, B, T + 1), generator=data)  # the global batch
         mine = x[rank * local:(rank + 1) * local]  # this rank's micro-batches
         if events is not None:

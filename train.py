@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import resume
 import comm
 import fsdp_lite
 import kernels
@@ -332,7 +333,7 @@ def main(cfg):
     log = print if master_process else (lambda *a, **k: None)
     prepare_data(cfg, rank)
     args = model_args(cfg, vocab_size(cfg))
-    resume = checkpoint.find_resume(cfg, args)  # None, or (path, manifest, damaged): errors before any training step
+    found = resume.find_resume(cfg, args)  # None, or (path, manifest, damaged): errors before any training step
     if cfg['zero_stage'] == 'auto':  # the lowest stage that fits in the least memory of any rank (memory.py)
         try:
             cfg['zero_stage'], line = memory.choose_stage(cfg, zero_config(cfg), device, world_size, args)
@@ -351,8 +352,8 @@ def main(cfg):
         impl = kernels.resolve_impl(cfg['optimizer_impl'], device)
     model, engine = build(cfg, device, args)
     try:  # damaged, with nothing whole to fall back on (a CRC-32 is checked here): every rank stops, rank 0 says so
-        iter_num, best_val_loss = checkpoint.load(engine, *resume, log=log, cfg=cfg) if resume else (0, 1e9)
-    except (checkpoint.Damaged, checkpoint.Unreadable) as e:  # every rank alike (verify's MAX, find_resume's files)
+        iter_num, best_val_loss = checkpoint.load(engine, *found, log=log, cfg=cfg) if found else (0, 1e9)
+    except (resume.Damaged, resume.Unreadable) as e:  # every rank alike (verify's MAX, find_resume's files)
         sys.exit(f"config error: {e}" if master_process else 1)
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
     optimizer = 'torch AdamW' if cfg['zero_stage'] == 0 else f'kernels.adamw_step, impl={impl}, {engine.cfg.precision}'
@@ -445,10 +446,8 @@ if __name__ == '__main__':
         check_config(config, int(os.environ.get('WORLD_SIZE', 1)))
         lock = checkpoint.claim(config['out_dir']) if os.environ.get('RANK', '0') == '0' and not config['eval_only'] else None
         if os.path.exists(os.path.join(data_dir(config), 'meta.json')):  # else the vocab is known after preparing it
-            checkpoint.find_resume(config, model_args(config, vocab_size(config)))  # a bad checkpoint: one line too
+            resume.find_resume(config, model_args(config, vocab_size(config)))  # a bad checkpoint: one line too
     except ValueError as e:  # one line, once (torchrun starts every rank with the same mistake), exit code 1
-        rank = int(os.environ.get('RANK', 0))
-        if rank == 0 or isinstance(e, checkpoint.Unreadable):  # a file one node could not look at: that rank says so
-            print(f"config error: {e}" if rank == 0 else f"rank {rank}: config error: {e}", file=sys.stderr)
-        sys.exit(1)
+        rank = int(os.environ.get('RANK', 0))  # a file one node could not look at (Unreadable): that rank says so
+        sys.exit(f"{f'rank {rank}: ' * (rank > 0)}config error: {e}" if rank == 0 or isinstance(e, resume.Unreadable) else 1)
     main(config)
