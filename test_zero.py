@@ -156,16 +156,15 @@ def full_params(engine, model):
 def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume_at=None, model_kw=None,
             frozen_and_unused=False, mismatch=False, meta=False, compile=False, trace=False, inf_at=None, init_value=None,
             growth_interval=None, checkpointing=False, default_device=None, **zero_kw):
-    """Train TINY for `steps` steps; accum is the global number of micro-batches per step. Returns
-    dict(losses, norms, params, engine info) as seen by this rank. resume_at: save a checkpoint there and
-    continue from it in a new model and engine (meta=True: built on the meta device, as train.py does).
-    compile: torch.compile as train.py does (stage 3: each block and the loss head); trace: record the last step's
-    all-gather events (stage 3);
-    checkpointing: activation checkpointing of every block; inf_at: at that step rank world_size - 1 gets an inf grad,
-    and every rank checks the step was skipped; init_value: every param starts at it (stages 1/2 return the distinct
-    values of the compute params then); growth_interval: fp16's loss scale doubles after this many clean steps (2000
-    in train.py); default_device: the engine is built and every step taken under `with torch.device(default_device)`
-    (the model, the batches and the checks are made outside it)."""
+    """Train TINY for `steps` steps; accum is the global number of micro-batches per step. Returns dict(losses, norms,
+    params, engine info) as seen by this rank. resume_at: save a checkpoint there and continue from it in a new model
+    and engine (meta=True: built on the meta device, as train.py does). compile: torch.compile as train.py does
+    (stage 3: each block and the loss head); trace: record the last step's all-gather events (stage 3); checkpointing:
+    activation checkpointing of every block; inf_at: at that step rank world_size - 1 gets an inf grad, and every rank
+    checks the step was skipped; init_value: every param starts at it (stages 1/2 return the distinct values of the
+    compute params then); growth_interval: fp16's loss scale doubles after this many clean steps (2000 in train.py);
+    default_device: the engine is built and every step taken under `with torch.device(default_device)` (the model,
+    the batches and the checks are made outside it)."""
     model = tiny_model(rank, model_kw, frozen_and_unused, mismatch, meta)
     around = (lambda: torch.device(default_device)) if default_device else nullcontext
     if init_value is not None:
@@ -225,8 +224,8 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
         graphs_at_end = torch._dynamo.utils.counters['stats']['unique_graphs'] - counted
         info.update(graphs_after_first_step=graphs, graphs=graphs_at_end)
     if kind == 'ddp':  # zero.DataParallel asks for torch's fused AdamW on a GPU only (test_gpu.py's fused case): here
-        assert engine.optimizer.defaults['fused'] is False  # the plain one, its step counts CPU tensors
-        assert all(s['step'].device.type == 'cpu' for s in engine.optimizer.state.values()) and engine.optimizer.state
+        steps_on = {s['step'].device.type for s in engine.optimizer.state.values()}  # the plain one's: CPU tensors
+        assert engine.optimizer.defaults['fused'] is False and steps_on == {'cpu'}
     if kind == 'ddp' or kind.startswith('zero'):
         info.update(populations=memory.counted_states(engine), psi=engine.psi, comm=dict(engine.comm.numel),
                     comm_bytes=dict(engine.comm.bytes),
