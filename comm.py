@@ -36,6 +36,7 @@ import gc
 import importlib
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -164,6 +165,8 @@ class Comm:
         self.count('all_reduce', tensor, factor=2)
         if not self.alone:  # one rank's sum is its own tensor
             dist.all_reduce(tensor, group=self.process_group)
+            if self.fake:  # the sum of world_size ranks' copies of our tensor
+                tensor.mul_(self.world_size)
             self.simulate('all_reduce', tensor.numel() * tensor.element_size(), None, async_op=False)
 
     def broadcast(self, tensor):
@@ -191,12 +194,12 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
     torchrun: world size 1 (a 1-rank process group, so every stage runs the same code). Returns (device, rank,
     world size). A rendezvous still waiting after quiet_for seconds says so on stderr, once, naming what it waits
     for (e.g. RANK and WORLD_SIZE set by hand, the other ranks never started): a wait is never silent."""
-    if 'RANK' not in os.environ:
-        os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1',
-                          MASTER_PORT=str(29500 + os.getpid() % 1000))
+    launched = 'RANK' in os.environ
+    if not launched:  # a port the OS says is free: two runs alone on one machine must not meet at one
+        os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()))
     device = torch.device(device_name)
-    if device.type == 'cuda':
-        device = torch.device('cuda', int(os.environ['LOCAL_RANK']))
+    if device.type == 'cuda':  # a launched rank: its LOCAL_RANK's GPU; a run alone: the one named (cuda:1 is cuda:1)
+        device = torch.device('cuda', int(os.environ['LOCAL_RANK']) if launched else device.index or 0)
         torch.cuda.set_device(device)
     backend = backend or ('nccl' if device.type == 'cuda' else 'gloo')
     rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
@@ -213,6 +216,13 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
     finally:
         note.cancel()
     return device, dist.get_rank(), dist.get_world_size()
+
+
+def free_port():
+    """A TCP port nothing listens on now (the OS's pick, let go at once)."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
 
 
 def restart_store():

@@ -114,7 +114,7 @@ def main():
     parser.add_argument('--out', default=os.path.join(os.path.dirname(os.path.abspath(__file__)), 'assets'))
     args = parser.parse_args()
     study, seeds = (QUICK, [1337]) if args.quick else (STUDY, [int(s) for s in args.seeds.split(',')])
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(29500 + os.getpid() % 1000))
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(comm.free_port()))
     dist.init_process_group('gloo', rank=0, world_size=1)
     train.prepare_data({**train.DEFAULTS, **study}, 0)
     results, t0 = {}, time.time()

@@ -284,6 +284,15 @@ def test_a_compute_free_step_takes_the_alpha_beta_time_exactly(fake_world, stage
     assert sum(engine.comm.link.busy.values()) == pytest.approx(expected, rel=1e-9)
 
 
+def test_under_the_fake_process_group_an_all_reduce_sums_every_ranks_copy_of_ours(fake_world):
+    # [Note: the fake process group]: as if every rank held our data. Before, it wrote nothing, and the grad norm
+    # bench.py scale clips with was rank 0's shard alone (2.24 at world 1, 0.0019 at 4 on one test model)
+    fake_world(4)
+    sumsq = torch.tensor([1.5, -2.0])
+    comm.Comm().all_reduce_sum(sumsq)
+    assert sumsq.tolist() == [6.0, -8.0]
+
+
 def test_the_link_needs_the_fake_process_group(gloo_world):
     with pytest.raises(ValueError, match='fake process group'):
         comm.Comm().use_link(comm.parse_link('ib400'))

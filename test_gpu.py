@@ -22,7 +22,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import types
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import comm
 import resume
 from model import GPT, GPTConfig
 
@@ -67,19 +67,13 @@ PRECISION = {  # every key of what the optimizer stores, each at a stage (the CU
 }
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
 def run(name, *args, script='train.py', config='config/shakespeare_char.py', torchrun=False, timeout=420):
     """One process, world 1 (python train.py sets up a 1-rank process group itself); (returncode, stdout + stderr)."""
     env = {**os.environ, 'OMP_NUM_THREADS': '2', 'PYTHONUNBUFFERED': '1'}
     if torchrun:
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=1', script, *args]
     else:
-        env.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()))
+        env.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(comm.free_port()))
         cmd = [sys.executable, script, *([config] if config else []), *args]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)

@@ -6,9 +6,11 @@ the batch stream), end-to-end runs under torchrun, and the benchmark's own claim
 """
 import argparse
 import ast
+import contextlib
 import glob
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -139,6 +141,30 @@ def test_each_rank_takes_the_gpu_of_its_local_rank_and_hands_it_to_nccl(monkeypa
     init = calls['init']
     assert (init['backend'], init['device_id'], init['rank'], init['world_size']) == (
         backend, got if backend == 'nccl' else None, 11, 16)
+
+
+@pytest.mark.parametrize('device, expected', [('cuda:1', 'cuda:1'), ('cuda', 'cuda:0'), ('cpu', 'cpu')])
+def test_a_run_alone_takes_the_gpu_it_names_and_a_port_nothing_holds(monkeypatch, device, expected):
+    # python train.py --device=cuda:1, no launcher: before, it ran on cuda:0 (LOCAL_RANK 0's) without a word, and met
+    # itself at port 29500 + pid % 1000, which another run alone (or torchrun's 29500) may hold: EADDRINUSE at start
+    calls = {}
+    monkeypatch.setattr(torch.cuda, 'set_device', lambda d: calls.setdefault('set_device', d))
+    monkeypatch.setattr(comm.dist, 'init_process_group', lambda **kw: calls.setdefault('init', kw))
+    monkeypatch.setattr(comm.dist, 'get_rank', lambda: 0)
+    monkeypatch.setattr(comm.dist, 'get_world_size', lambda: 1)
+    for key in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT'):
+        monkeypatch.setenv(key, '')
+        monkeypatch.delenv(key)  # absent during the test, and again after it
+    with socket.socket() as other_run:
+        with contextlib.suppress(OSError):  # (held by something else already: the same case)
+            other_run.bind(('127.0.0.1', 29500 + os.getpid() % 1000))  # the port this process used to pick
+            other_run.listen()
+        got, rank, world = comm.start_process_group(device, '')
+        with socket.socket() as ours:
+            ours.bind(('127.0.0.1', int(os.environ['MASTER_PORT'])))  # free: nothing listens there
+    assert (str(got), rank, world) == (expected, 0, 1)
+    assert calls.get('set_device') == (got if got.type == 'cuda' else None)
+    assert calls['init']['device_id'] == (got if got.type == 'cuda' else None)
 
 
 def test_a_rendezvous_still_waiting_says_so_once_and_a_quick_one_says_nothing(monkeypatch, capsys):
