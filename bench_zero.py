@@ -230,6 +230,8 @@ def meter_transient(engine, peak):
 
 def bench_zero(args):
     cfg = train.parse_config([args.config] + [f'--{kv}' for kv in args.set])
+    if args.rounds < 1 or args.steps < 1:  # before any build, compile and warm-up
+        raise ValueError(f"--rounds={args.rounds} --steps={args.steps}: use at least 1 of each")
     # ZeroRedundancyOptimizer's module takes group.WORLD as a default argument: import it before the group starts,
     # or the default keeps the group past its end ([Note: the end of a run]). (Not `import torch.distributed.optim`:
     # in a function that binds `torch` as a local name, unbound wherever the import did not run.)

@@ -343,18 +343,19 @@ def main(argv):
     if (args.params is None) == (args.config is None):
         parser.error("give exactly one of --params and --config")
     wrong = [f"--{k}={getattr(args, k)}: use a number above 0" for k in ('world', 'params', 'gpu_gb', 'k')
-             if getattr(args, k) is not None and getattr(args, k) <= 0]
+             if getattr(args, k) is not None and not 0 < getattr(args, k) < math.inf]  # (nan and inf too)
     if wrong:
         parser.error(wrong[0])
     try:  # a bad config or --set: one line, as train.py says it
+        paper = {} if args.config else {'gradient_accumulation_steps': args.world}  # --params: a micro-step a rank
         cfg = train.parse_config(([args.config] if args.config else []) + [f'--{kv}' for kv in args.set],
-                                 defaults={**train.DEFAULTS, 'dtype': 'bfloat16'})  # the GPU default
+                                 defaults={**train.DEFAULTS, 'dtype': 'bfloat16', **paper})  # bf16: the GPU default
+        for problem in train.config_problems(cfg, 1)[:1]:  # train.py's value checks (not the device's, nor --world's)
+            raise ValueError(problem)
         zcfg = train.zero_config(cfg)  # 'auto': stage 1's
-        if cfg['n_head'] < 1 or cfg['n_embd'] % cfg['n_head']:
-            raise ValueError(f"n_embd={cfg['n_embd']} is not a multiple of n_head={cfg['n_head']}")
     except ValueError as e:
         parser.error(str(e))
-    accum = max(1, cfg['gradient_accumulation_steps'] // args.world)
+    accum = max(1, cfg['gradient_accumulation_steps'] // args.world)  # micro-steps a rank (1: the paper's)
     psi, act, block, root = args.params, None, 0, 0
     if args.config:
         with torch.device('meta'):

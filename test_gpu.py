@@ -851,7 +851,7 @@ def test_bench_kernels_times_ours_and_torchs_fused_adamw_on_the_gpu(grad_dtype):
     # the plain table (test_kernels.test_bench_kernels_prints_a_row_per_size on the CPU): CUDA events, torch's fused
     # AdamW and the cast on the GPU, every figure a finite positive number (no timing bound)
     out = subprocess.run([sys.executable, "bench.py", "kernels", "--device", "cuda", "--sizes", "16M",
-                          "--grad_dtype", grad_dtype], capture_output=True, text=True, timeout=300)
+                          "--grad_dtype", grad_dtype], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]  # (ms to 2 decimals)
     assert [row[0] for row in rows] == ["16,777,216"] and len(rows[0]) == 9, out.stdout

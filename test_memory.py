@@ -79,7 +79,14 @@ def test_estimate_prints_the_paper_tables_exactly(psi, world):
     (['--params', '-5', '--world', '8'], "--params=-5.0: use a number above 0"),  # was a table of negative GB
     (['--params', '70e9', '--world', '8', '--set', 'zero_stage=5'], "zero_stage=5 is not a ZeRO stage"),
     (['--config', 'config/zero3.py', '--world', '8', '--set', 'n_head=7'], "n_embd=768 is not a multiple of n_head=7"),
-    (['--params', '1e9', '--world', '8', '--set', 'n_head=0'], "n_embd=768 is not a multiple of n_head=0")])
+    (['--params', '1e9', '--world', '8', '--set', 'n_head=0'], "n_head=0: use at least 1"),
+    # train.py's value checks (config_problems), each once a traceback or a table of a config train.py refuses
+    (['--config', 'config/zero3.py', '--world', '2', '--set', 'batch_size=0'], "batch_size=0: use at least 1"),
+    (['--params', '1e9', '--world', '2', '--set', 'dtype=foo'], "dtype='foo': use one of"),
+    (['--params', '1e9', '--world', '2', '--set', 'dtype=float64'], "dtype='float64': use one of"),
+    (['--config', 'config/zero3.py', '--world', '2', '--set', 'n_layer=-1'], "n_layer=-1: use at least 1"),
+    (['--params', 'nan', '--world', '8'], "--params=nan: use a number above 0"),
+    (['--params', '1e9', '--world', '8', '--gpu_gb', 'inf'], "--gpu_gb=inf: use a number above 0")])
 def test_estimate_refuses_what_it_cannot_estimate_in_one_line(capsys, args, message):
     with pytest.raises(SystemExit) as e:  # memory.main is `python zero.py estimate`
         memory.main(['estimate', *args])
@@ -91,6 +98,8 @@ def test_estimate_communication_with_accumulation_is_a_plus_1_psi_for_stage_2_an
     out = paper_rows(estimate('--params', '13e9', '--world', '8', '--set', f'gradient_accumulation_steps={8 * a}'))
     assert [row[5] for row in out] == sent(a)
     assert [tuple(float(c) for c in row[1:5]) for row in out] == PAPER[13e9, 8]  # memory does not depend on a
+    # with no --set, one micro-step a rank at any world, as the paper (before: train.py's default 8 over N, 4 at N = 2)
+    assert [row[5] for row in paper_rows(estimate('--params', '7e9', '--world', '2'))] == sent(1)
 
 # -----------------------------------------------------------------------------
 # python zero.py estimate: nanozero as configured, against a real run's startup table

@@ -324,6 +324,16 @@ def test_bench_zero_takes_only_settings_that_change_how_our_engine_is_built():
             bench_zero.settings_of(bad, cfg)
 
 
+def test_bench_zero_refuses_zero_rounds_or_steps_before_it_starts_anything(monkeypatch):
+    # before, --rounds=0 built, compiled and warmed up every kind, then died in quantile() (on a GPU: a lease's minutes)
+    monkeypatch.setattr(bench_zero.comm, 'start_process_group', lambda *a: pytest.fail("started a process group"))
+    parser = argparse.ArgumentParser()
+    bench_zero.add_arguments(parser)
+    for bad in (['--rounds=0'], ['--steps=0']):
+        with pytest.raises(ValueError, match='use at least 1 of each'):
+            bench_zero.bench_zero(parser.parse_args(bad))
+
+
 def test_bench_zero_ratios_are_taken_round_by_round():
     # a kind 10% slower than its reference in 3 of 4 rounds, and a machine that slows down over the run (the times
     # double each round): the per-round ratio says 1.1x, a ratio of the two medians (3.2 / 3.0) would say 1.07x

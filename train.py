@@ -258,12 +258,11 @@ def prepare_data(cfg, rank):
     dist.barrier()
 
 
-def check_config(cfg, world_size):
-    """Every mistake that can be found before the process group starts, as one ValueError with the fix."""
-    if cfg['gradient_accumulation_steps'] % world_size:
-        raise ValueError(f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} is the global count of "
-                         f"micro-steps and must be divisible by the {world_size} ranks")
-    problems = [f"{k}={cfg[k]}: use at least {n}" for n, keys in ((1, AT_LEAST_1), (0, AT_LEAST_0)) for k in keys if cfg[k] < n]
+def config_problems(cfg, world_size):
+    """What is wrong with the config's values, each with its fix (train.py and `zero.py estimate` refuse the first)."""
+    problems = [f"gradient_accumulation_steps={cfg['gradient_accumulation_steps']} is the global count of micro-steps and "
+                f"must be divisible by the {world_size} ranks"] if cfg['gradient_accumulation_steps'] % world_size else []
+    problems += [f"{k}={cfg[k]}: use at least {n}" for n, keys in ((1, AT_LEAST_1), (0, AT_LEAST_0)) for k in keys if cfg[k] < n]
     problems += [f"{k}={cfg[k]}: use a value in [0, 1)" for k in ('dropout', 'beta1', 'beta2') if not 0 <= cfg[k] < 1]
     if cfg['n_embd'] % max(cfg['n_head'], 1):
         problems.append(f"n_embd={cfg['n_embd']} is not a multiple of n_head={cfg['n_head']}: a head takes n_embd / n_head")
@@ -272,7 +271,12 @@ def check_config(cfg, world_size):
                          ('optimizer_impl', ('auto', 'reference', 'cpu', 'cuda'))):
         if cfg[key] not in allowed:
             problems.append(f"{key}={cfg[key]!r}: use one of {', '.join(map(repr, allowed))}")
-    device, gpu = cfg['device'].split(':')[0], torch.cuda.is_available()
+    return problems
+
+
+def check_config(cfg, world_size):
+    """Every mistake that can be found before the process group starts, as one ValueError with the fix."""
+    problems, device, gpu = config_problems(cfg, world_size), cfg['device'].split(':')[0], torch.cuda.is_available()
     if device not in ('cpu', 'cuda') or (device == 'cuda' and not gpu) or (cfg['backend'], device) == ('nccl', 'cpu'):
         problems.append(f"device={cfg['device']!r}{', backend=nccl' * (cfg['backend'] == 'nccl')}: use 'cpu' (gloo), "
                         f"or 'cuda' (nccl) where torch sees a GPU (torch.cuda.is_available() is {gpu} here)")
