@@ -986,6 +986,19 @@ def test_a_second_run_on_an_out_dir_in_use_stops_in_one_line_and_the_first_keeps
             checkpoint.claim(str(bad))
 
 
+def test_eval_only_evaluates_a_checkpoint_saved_between_evaluations_and_writes_nothing(tmp_path):
+    # before, eval_only evaluated only at an iteration eval_interval divides: a checkpoint of --max_iters=3 (saved at
+    # the run's end) printed the start-up table and no loss, exit code 0
+    out_dir, run = str(tmp_path / 'out'), ['config/shakespeare_char.py', *ON_CPU, *SMALL]
+    subprocess.run([sys.executable, 'train.py', *run, f'--out_dir={out_dir}', '--max_iters=3'], check=True,
+                   capture_output=True, timeout=120)
+    saved = sorted(os.listdir(out_dir))
+    r = subprocess.run([sys.executable, 'train.py', *run, f'--out_dir={out_dir}', '--init_from=resume',
+                        '--eval_only=True', '--always_save_checkpoint=True'], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and re.search(r'^step 3: train loss [\d.]+, val loss [\d.]+$', r.stdout, re.M), r.stdout + r.stderr
+    assert sorted(os.listdir(out_dir)) == saved
+
+
 def test_a_resumed_run_says_what_it_converts_and_which_batches_change():
     """checkpoint.resume_notes, printed by load: a changed storage precision is converted (the values exact where the
     new form holds every bit, else rounded once; test_precision.py resumes every mode at its own precision), and a

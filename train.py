@@ -374,12 +374,12 @@ def main(cfg):
     peak = peak_flops(device)
     t0, skipped = time.time(), 0  # skipped: steps in a row with a non-finite grad norm
     while True:
-        if iter_num % cfg['eval_interval'] == 0 or iter_num >= cfg['max_iters']:
+        if iter_num % cfg['eval_interval'] == 0 or iter_num >= cfg['max_iters'] or cfg['eval_only']:
             losses = evaluate(engine, eval_sets, autocast, rank, world_size)
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             if losses['val'] < best_val_loss or cfg['always_save_checkpoint']:
                 best_val_loss = min(best_val_loss, losses['val'])
-                if iter_num > 0:
+                if iter_num > 0 and not cfg['eval_only']:  # (eval_only holds no claim on out_dir: it writes nothing)
                     checkpoint.save(engine, cfg, args, iter_num, best_val_loss, log=log)
         if cfg['eval_only'] or iter_num >= cfg['max_iters']:
             break
