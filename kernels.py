@@ -75,8 +75,10 @@ class Precision:
         or 8-bit codes of zero with one fp32 absmax per 256-element block, (exp_avg's, exp_avg_sq's)."""
         if self.state_dtype != 'int8':
             return (*(torch.zeros(n, dtype=self.state_torch_dtype, device=device) for _ in range(2)), None)
-        (m, m_absmax), (v, v_absmax) = (quantize(torch.zeros(n, device=device), signed) for signed in (True, False))
-        return m, v, (m_absmax, v_absmax)
+        # the code of 0 (signed map: 127, unsigned: 0) filled in, not n zeros quantized (~17 bytes an element at once)
+        m, v = (torch.full((n,), int(quantize(torch.zeros(256, device='cpu'), signed)[0][0]), dtype=torch.uint8,
+                           device=device) for signed in (True, False))
+        return m, v, tuple(torch.zeros(n // 256, device=device) for _ in range(2))
 
     def bytes_per_element(self, param_dtype):
         master = self.master_dtype(param_dtype)
@@ -128,6 +130,8 @@ def cast_param(master32, dtype, impl="reference", out=None):
     rule]), fp16 rounded to nearest-even, fp32 a copy. impl='auto' (a stage-3 gather) rounds a contiguous master to
     bf16 in the device's kernel library, one pass, where the torch ops take seven. out: a tensor of dtype and the
     master's numel to write into (a stage-3 gather's slice of its unsharded param) instead of a new one."""
+    if master32.dtype != torch.float32:  # the kernel reads 4 bytes an element
+        raise TypeError(f"cast_param: the master is {master32.dtype}: pass the fp32 master")
     if out is not None and (out.dtype, out.numel(), out.device) != (dtype, master32.numel(), master32.device):
         raise ValueError(f"cast_param: out is {out.dtype} x {out.numel()} on {out.device}, the cast {dtype} x "
                          f"{master32.numel()} on {master32.device}")
@@ -136,6 +140,8 @@ def cast_param(master32, dtype, impl="reference", out=None):
         # fp16 (nearest-even) and fp32: copy_ rounds as .to does, so into out it is one pass
         x = _round_bf16(master32, 0x8000) if dtype == torch.bfloat16 else master32
         return x.to(dtype, copy=x is master32) if out is None else out.copy_(x.reshape(out.shape))
+    if impl != master32.device.type:
+        raise ValueError(f"impl={impl!r} cannot run on {master32.device} tensors")
     if out is None:
         out = torch.empty(master32.shape, dtype=torch.bfloat16, device=master32.device)
     _LIBRARIES[impl].call("cast_bf16", master32.device, ctypes.c_void_p(master32.data_ptr()),
@@ -275,7 +281,7 @@ def quantize(x32, signed):
     absmax = torch.where(blocks.isnan(), 0.0, blocks.abs()).amax(dim=1)
     scale = torch.where(absmax > 0, absmax, 1.0)
     midpoints = _maps_on(x32.device, signed)[1]
-    return torch.searchsorted(midpoints, blocks / scale[:, None]).to(torch.uint8).view(-1), absmax
+    return torch.searchsorted(midpoints, blocks / scale[:, None], out_int32=True).to(torch.uint8).view(-1), absmax
 
 
 def dequantize(codes, absmax, signed):

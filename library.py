@@ -164,7 +164,10 @@ def compile_library(source, command, path):
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             src, out = Path(tmp) / ("adamw.cu" if "nvcc" in Path(command[0]).name else "adamw.cpp"), Path(tmp) / "adamw.so"
             src.write_text(source)
-            result = subprocess.run([*command, "-o", str(out), str(src)], capture_output=True, text=True)
+            # nvcc adds NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS to every call (e.g. --use_fast_math, set for another
+            # project): a binary the cache name does not describe, its sqrt and divides no longer IEEE. Left out.
+            env = {k: v for k, v in os.environ.items() if k not in ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS")}
+            result = subprocess.run([*command, "-o", str(out), str(src)], capture_output=True, text=True, env=env)
             if result.returncode != 0:
                 lines = (result.stderr + result.stdout).splitlines() or [f"exit code {result.returncode}"]
                 raise RuntimeError(next((line for line in lines if "error" in line), lines[0]).strip()[:300])

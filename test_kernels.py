@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import re
 import shutil
@@ -943,8 +944,9 @@ def host_library(source, name):
     kernels' own libraries: the path of name_<hash>.so."""
     command = [library._compiler("cpu")[0], "-O2", "-march=native", "-ffp-contract=off", "-fno-math-errno",
                "-std=c++17", "-shared", "-fPIC"]
-    digest = hashlib.sha256("\0".join([source, *command]).encode()).hexdigest()[:16]
-    path = library.cache_path("cpu").parent / f"{name}_{digest}.so"
+    kernels_own = library.cache_path("cpu")  # its name hashes the CPU's extensions and the compiler's version too:
+    digest = hashlib.sha256("\0".join([source, *command, kernels_own.name]).encode()).hexdigest()[:16]  # a shared
+    path = kernels_own.parent / f"{name}_{digest}.so"  # cache never hands one CPU's -march=native build to another
     library.compile_library(source, command, path)
     return path
 
@@ -1218,6 +1220,16 @@ def test_cache_path_depends_on_source_flags_and_cache_dir(monkeypatch, tmp_path)
     assert library.cache_path("cpu") not in (path, other_flags, other_source)
 
 
+def test_a_build_leaves_out_the_flags_nvcc_takes_from_the_environment(monkeypatch, tmp_path):
+    # NVCC_APPEND_FLAGS=--use_fast_math (another project's) built approximate square roots into a library cached under
+    # the IEEE build's name; the compiler, stood in for, writes what it saw of those variables
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", "--use_fast_math")
+    monkeypatch.setenv("NVCC_PREPEND_FLAGS", "-O0")
+    saw = "import os, sys; open(sys.argv[2], 'w').write(repr([os.environ.get(k) for k in sorted(os.environ) if 'NVCC_' in k]))"
+    library.compile_library("", [sys.executable, "-c", saw], tmp_path / "lib.so")
+    assert (tmp_path / "lib.so").read_text() == "[]"
+
+
 def test_a_built_library_is_loaded_without_taking_the_lock(monkeypatch, tmp_path):
     # a read-only or shared cache: nothing to write when the library is there (the lock file cannot be opened here)
     monkeypatch.setenv("NANOZERO_CACHE", str(tmp_path))
@@ -1317,6 +1329,13 @@ def test_kernel_rejects_bad_shapes_dtypes_and_arguments():
         with pytest.raises(ValueError, match="needs 0 <= beta1, beta2 < 1 and a 1-based step"):
             kernels.adamw_step(shard.master, torch.ones(512), shard.exp_avg, shard.exp_avg_sq, shard.param,
                                torch.zeros(1), decay_numel=5, **{**kw, **bad})
+    # cast_param's kernel path (a stage-3 gather's cast) too: before, a bf16 master was read as fp32, past its end,
+    # an fp64 one cast to garbage, and impl='cpu' on tensors elsewhere segfaulted
+    for master in (torch.ones(4, dtype=torch.bfloat16), torch.ones(4, dtype=torch.float64)):
+        with pytest.raises(TypeError, match=f"the master is {master.dtype}: pass the fp32 master"):
+            kernels.cast_param(master, torch.bfloat16, impl="auto")
+    with pytest.raises(ValueError, match="impl='cpu' cannot run on meta tensors"):
+        kernels.cast_param(torch.ones(100_000, device="meta"), torch.bfloat16, impl="cpu")
     uint8 = Shard(512, "fp32+bf16param", "uint8")
     with pytest.raises(ValueError, match="uint8 state needs n a multiple of 256"):
         kernels.adamw_step(uint8.master[:500], torch.ones(500), uint8.exp_avg[:500], uint8.exp_avg_sq[:500],
@@ -1328,6 +1347,23 @@ def test_kernel_rejects_bad_shapes_dtypes_and_arguments():
 
 # ----------------------------------------------------------------------------
 # Precision: the per-mode description zero.py sizes its layout and tables with
+
+
+def test_8bit_moments_start_as_the_codes_of_zero_without_quantizing_a_shard_of_zeros():
+    # Precision.zero_moments at engine build: before, n fp32 zeros went through quantize (its temporaries and
+    # searchsorted's int64 codes), ~17 bytes an element at once for a state that keeps 2.03, before the first step
+    n, precision = 1 << 16, kernels.Precision(state_dtype="int8")
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with profiler:
+        m, v, absmax = precision.zero_moments(n, torch.device("cpu"))
+    sizes = [e.nbytes() for e in sorted(profiler.profiler.kineto_results.events(), key=lambda e: e.start_ns())
+             if e.name() == "[memory]"]
+    held = 2 * n + 2 * 4 * n // 256  # the codes and the absmaxes
+    assert max(itertools.accumulate(sizes)) <= held + 16 * 1024, (max(itertools.accumulate(sizes)), held)
+    for codes, signed, scale in ((m, True, absmax[0]), (v, False, absmax[1])):
+        expected_codes, expected_absmax = kernels.quantize(torch.zeros(n), signed)
+        assert torch.equal(codes, expected_codes) and torch.equal(scale, expected_absmax)
+        assert (codes.dtype, scale.dtype) == (torch.uint8, torch.float32)
 
 
 def test_precision_check_names_the_problem_and_the_fix():
