@@ -195,11 +195,22 @@ class Library:
             raise RuntimeError(f"nanozero {name} launch failed: {self.lib.adamw_error_string(error).decode()}")
 
 
+def same_cuda_as_torch(nvcc_version):
+    """The CUDA library links nvcc's shared cudart (libcudart.so.13 for CUDA 13): beside a torch of another CUDA major
+    it would load a second runtime, one its driver may not run, found only at the first step. RuntimeError instead."""
+    ours, torchs = re.search(r"release (\d+)\.", nvcc_version), torch.version.cuda
+    if ours and torchs and ours.group(1) != torchs.split(".")[0]:
+        raise RuntimeError(f"nvcc is CUDA {ours.group(1)} and torch runs CUDA {torchs}: put CUDA {torchs.split('.')[0]}'s "
+                           "nvcc first on PATH (or in $CUDA_HOME/bin)")
+
+
 def build(impl, source=None):
     """Build (or find in the cache) and load one library; RuntimeError with a one-line reason.
     Building the CUDA one needs nvcc, not a GPU (set TORCH_CUDA_ARCH_LIST, e.g. "9.0")."""
     source = source or (CPU_SOURCE if impl == "cpu" else CUDA_SOURCE)
     try:
+        if impl == "cuda":
+            same_cuda_as_torch(_compiler("cuda")[1])
         path = cache_path(impl, source)
         compile_library(source, _command(impl), path)
         return Library(path)

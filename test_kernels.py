@@ -1230,6 +1230,18 @@ def test_a_build_leaves_out_the_flags_nvcc_takes_from_the_environment(monkeypatc
     assert (tmp_path / "lib.so").read_text() == "[]"
 
 
+def test_the_cuda_library_is_built_only_with_an_nvcc_of_torchs_cuda_major(monkeypatch):
+    # torch cu12x with nvcc 13 (or the reverse): the library would load libcudart.so.13 beside torch's .so.12 and fail
+    # at the first step, if its driver cannot run it; now the build fails, and the step falls back, saying why
+    monkeypatch.setattr(library.torch.version, "cuda", "12.8")
+    monkeypatch.setattr(library, "_compiler", lambda impl: ("/opt/nvcc", "Cuda compilation tools, release 13.0, V13.0.88"))
+    with pytest.raises(RuntimeError, match=r"cuda build failed: nvcc is CUDA 13 and torch runs CUDA 12\.8: put CUDA 12's"):
+        library.build("cuda")
+    library.same_cuda_as_torch("Cuda compilation tools, release 12.4, V12.4.131")  # another minor: the same cudart
+    monkeypatch.setattr(library.torch.version, "cuda", None)  # a CPU build of torch: nothing to compare
+    library.same_cuda_as_torch("Cuda compilation tools, release 13.0, V13.0.88")
+
+
 def test_a_built_library_is_loaded_without_taking_the_lock(monkeypatch, tmp_path):
     # a read-only or shared cache: nothing to write when the library is there (the lock file cannot be opened here)
     monkeypatch.setenv("NANOZERO_CACHE", str(tmp_path))
