@@ -167,6 +167,20 @@ def test_a_run_alone_takes_the_gpu_it_names_and_a_port_nothing_holds(monkeypatch
     assert calls['init']['device_id'] == (got if got.type == 'cuda' else None)
 
 
+def test_before_ampere_the_default_dtype_is_float32_and_asking_makes_no_tensor_on_a_gpu():
+    # torch.cuda.is_bf16_supported() answers True on a V100 or T4 by making a bf16 tensor on GPU 0 (bf16 emulated):
+    # every rank of a node put a context on GPU 0 when it imported train.py, and trained in emulated bf16
+    code = """
+import torch
+torch.cuda.is_available = lambda: True
+torch.cuda.is_bf16_supported = lambda including_emulation=True: including_emulation  # a pre-Ampere GPU's answers
+import train
+print(train.DEFAULTS['dtype'])
+"""
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ['float32'], out.stderr[-2000:]
+
+
 def test_a_rendezvous_still_waiting_says_so_once_and_a_quick_one_says_nothing(monkeypatch, capsys):
     # RANK and WORLD_SIZE set by hand, no other rank started: before, train.py printed nothing and waited for good
     monkeypatch.setattr(comm.dist, 'init_process_group', lambda **kw: time.sleep(kw['world_size'] * 0.1))

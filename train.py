@@ -87,7 +87,7 @@ state_dtype = 'float32'  # exp_avg and exp_avg_sq: 'float32', 'bfloat16' or 'int
 stochastic_rounding = False  # with master_weights='none': round each update into the bf16 params stochastically
 # system
 device = 'cuda' if torch.cuda.is_available() else 'cpu'
-dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32'
+dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False) else 'float32'
 compile = False  # torch.compile the model (stage 3: each block and the loss head, the gathering hooks left outside)
 profile = False  # write a torch.profiler trace of iterations 2-4 to out_dir/trace_rank{r}.json
 seed = 1337
