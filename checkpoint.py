@@ -140,7 +140,7 @@ def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
     dist.barrier(group=process_group)  # every rank's file is complete: [Note: atomic checkpoints]
     if rank == 0:
         manifest = dict(format=FORMAT, iter_num=iter_num, best_val_loss=best_val_loss, config=cfg,
-                        model_args=model_args, data_position=dict(seed=cfg.get('seed'), next_iteration=iter_num),
+                        model_args=model_args, meta=dataset_meta(cfg['dataset']),  # the tokenizer, for sample.py data_position=dict(seed=cfg.get('seed'), next_iteration=iter_num),
                         stage=engine.stage, world_size=world_size, param_dtype=str(engine.cfg.param_dtype)[6:],
                         precision=vars(engine.cfg.precision), populations=populations, step_count=step_count(engine),
                         loss_scale=scaler_state(engine), layout=layout(engine),
@@ -321,7 +321,8 @@ def load(engine, path, manifest, damaged=(), log=print, cfg=None):
     engine.comm.check_same('checkpoint', [manifest['iter_num'], len(damaged)], "out_dir must be one directory that "
                            "every rank sees")
     set_aside(damaged, engine.comm, log)
-    same = (manifest['stage'] == engine.stage and manifest['layout'] == layout(engine)
+    same = (manifest['stage'] in ({1, 2} if engine.stage in (1, 2) else {engine.stage})  # (1, 2: one stored form)
+            and manifest['layout'] == layout(engine)
             and manifest['world_size'] == engine.comm.world_size
             and manifest['precision'] == vars(engine.cfg.precision) and manifest['param_dtype'] == str(engine.cfg.param_dtype)[6:])
     log(f"resuming from {path} (iteration {manifest['iter_num']}, stage {manifest['stage']} on {manifest['world_size']} "

@@ -50,9 +50,12 @@ def full_state_dict(path, dtype=torch.float32):
 def consolidate(path, out_file, dtype=torch.float32):
     """One file with everything sample.py needs, the tokenizer's meta included (GPT-2's BPE files are read from
     data/<dataset>/ or data/.cache/). Written to a temporary name and renamed: never a half-written model.pt."""
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out_file))):  # before reading the whole checkpoint
+        raise ValueError(f"-o {out_file}: there is no directory {os.path.dirname(os.path.abspath(out_file))}: make it first")
     state, manifest = full_state_dict(path, dtype)
     info = {k: manifest[k] for k in ('model_args', 'iter_num', 'best_val_loss', 'config', 'stage', 'world_size')}
-    torch.save({'model': state, 'meta': checkpoint.dataset_meta(manifest['config']['dataset']), **info}, out_file + '.tmp')
+    meta = manifest.get('meta') or checkpoint.dataset_meta(manifest['config']['dataset'])  # (a checkpoint before 27 Nov)
+    torch.save({'model': state, 'meta': meta, **info}, out_file + '.tmp')
     os.replace(out_file + '.tmp', out_file)
     return manifest
 

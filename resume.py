@@ -15,6 +15,7 @@ left to train). Each is one line naming the file and the fix.
 import glob
 import json
 import os
+import socket
 import zlib
 
 import torch
@@ -127,12 +128,47 @@ def crc32_of(file):
 NO_FALLBACK = "put the file back from a copy, or start over in another out_dir (init_from='scratch')"
 
 
+# [Note: a restart of this job] torchrun --max-restarts=N starts every worker again after any failure, a config error of
+# its first attempt included. A restart resumes a run from scratch from its own checkpoints, and one that dies after
+# its last save ends without "nothing left to train"; but an attempt that stopped on another run's checkpoints (from
+# scratch, or nothing left to train) must stop its restarts too, or they would train on from that run's checkpoint and
+# prune it. So rank 0, once its checks have passed, writes the job's id into out_dir/.job, and a restart counts as one
+# only where that file names this job: its rendezvous id (--standalone draws one; a static rendezvous has 'none', and
+# keeps rank 0 on node 0: there the host and the torchrun agent, this process's parent). The other ranks cannot see
+# rank 0's agent and keep the plain count: rank 0's refusal stops the job (its agent ends the other workers).
+
+
+def job_id():
+    run = os.environ.get('TORCHELASTIC_RUN_ID', 'none')
+    return run if run != 'none' else f"{socket.gethostname()} {os.getppid()}"
+
+
+def mark_job(out_dir):
+    """Rank 0, its checks passed: out_dir is this job's ([Note: a restart of this job])."""
+    with open(os.path.join(out_dir, '.job.tmp'), 'w') as f:
+        f.write(job_id())
+    os.replace(os.path.join(out_dir, '.job.tmp'), os.path.join(out_dir, '.job'))
+
+
+def restart_of_this_job(out_dir):
+    if int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)) == 0:
+        return False
+    if int(os.environ.get('RANK', 0)) != 0:
+        return True
+    try:
+        with open(os.path.join(out_dir, '.job')) as f:
+            return f.read() == job_id()
+    except OSError:
+        return False
+
+
 def find_resume(cfg, model_args, before=None):
     """(path, manifest, damaged) to resume from, or None. init_from='resume' needs a checkpoint; a worker restarted by
-    torchrun (--max-restarts) resumes from the newest complete one when there is one. Newer ones found Damaged are
+    torchrun (--max-restarts) resumes from the newest complete one when there is one, if its job's first attempt took
+    out_dir ([Note: a restart of this job]). Newer ones found Damaged are
     passed over, (path, why) each in damaged, for load() to set aside ([Note: a damaged checkpoint]); every other
     problem is a ValueError naming the file, raised before any training step. before: only older ones (load's)."""
-    restarted = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)) > 0
+    restarted = restart_of_this_job(cfg['out_dir'])  # [Note: a restart of this job]
     found = [p for p in complete(cfg['out_dir']) if before is None or p < before]
     if before and not found:
         raise Damaged(f"no older checkpoint to fall back on: {NO_FALLBACK}")

@@ -40,7 +40,10 @@ def load_model(path):
 def tokenizer(info):
     """(encode, decode) for the run's dataset. Ids past the dataset's vocabulary are the padding that rounds
     it up to a multiple of 64 (84 characters -> 128, GPT-2's 50257 -> 50304): they decode to nothing."""
-    meta = info.get('meta') or checkpoint.dataset_meta(info['config']['dataset'])
+    meta = info.get('meta') or checkpoint.dataset_meta(info['config']['dataset'])  # the manifest's, or the dataset's
+    if not meta and info['model_args']['vocab_size'] != 50304:  # not GPT-2's: decoding it as GPT-2's fails or lies
+        raise SystemExit(f"the tokenizer of this {info['model_args']['vocab_size']}-token model is unknown: "
+                         f"data/{info['config']['dataset']}/meta.json is not here; copy it from the machine that trained it")
     if meta.get('tokenizer') == 'char':
         chars = meta['chars']
         stoi = {c: i for i, c in enumerate(chars)}

@@ -192,7 +192,8 @@ NONE = dict(dtype='bfloat16', master_weights='none', state_dtype='bfloat16', sto
 JOBS.update({'precision remainder+int8, same layout': resume_runs(2, 3, cfg=REMAINDER),
              'precision none+bf16+stochastic rounding, same layout': resume_runs(2, 2, cfg=NONE),
              'precision, stage 3 on 2 -> stage 3 on 3': resave_runs(2, 3, 3, 3, old=REMAINDER, new=REMAINDER),
-             'precision, stage 2 on 2 -> stage 1 on 4': resave_runs(2, 2, 4, 1, old=REMAINDER, new=REMAINDER)})
+             'precision, stage 2 on 2 -> stage 1 on 4': resave_runs(2, 2, 4, 1, old=REMAINDER, new=REMAINDER),
+             'one layout, stage 1 -> 2, 8-bit': resave_runs(2, 1, 2, 2, old=REMAINDER, new=REMAINDER)})
 FP32_MASTER = dict(dtype='bfloat16')  # bf16 compute, the fp32 master and moments: the default
 CONVERSIONS = {'fp32 -> remainder': (FP32_MASTER, dict(dtype='bfloat16', master_weights='remainder')),
                'remainder+int8 -> fp32': (REMAINDER, FP32_MASTER),
@@ -329,6 +330,14 @@ def test_rebuilt_shards_hold_exactly_the_saved_values(name):
             assert torch.equal(x, y), (pname, population)
     for m in (a.manifest, b.manifest):
         assert m['step_count'] == 2 and m['iter_num'] == 2
+
+
+def test_stages_1_and_2_resume_each_other_bit_for_bit_at_one_layout():
+    """They store the same pieces in the same buckets: a stage 1 -> 2 resume (for less memory) at the same world size
+    copies the files back. Before, it rebuilt the shards, and the 8-bit exp_avg moved by up to 0.7% of its block's
+    largest value, where the README says a resume at the same layout is exact."""
+    runs, d = job('one layout, stage 1 -> 2, 8-bit')
+    assert_same_files(ckpt(d + '/saved', 2), ckpt(d + '/resaved', 2))
 
 
 def test_one_two_and_four_ranks_with_the_same_global_batch_train_the_same_model():
@@ -489,6 +498,40 @@ def test_train_py_resumes_with_3_ranks_at_stage_3_within_5e_4_of_the_straight_ru
     assert_same_run(*runs, **ORACLE)
 
 
+def test_a_refusal_outlives_torchruns_restarts_and_the_other_runs_checkpoints_stay():
+    """[Note: a restart of this job]: a first attempt that stopped on another run's checkpoints (from scratch, or
+    nothing left to train), then torchrun --max-restarts: before, the restart resumed that run's newest checkpoint,
+    trained on and pruned the others (exit code 0). Now every attempt stops with the same line, and out_dir keeps
+    its files."""
+    out_dir = scratch_dir('refused')
+    for it in (9, 10):
+        shutil.copytree(ckpt(straight_run()[0], it), ckpt(out_dir, it))
+    for how, extra in (('earlier run', ()), ('nothing is left to train', ('--init_from=resume',))):
+        before = sorted(set(os.listdir(out_dir)) | {'.lock'})  # (the run's claim: rank 0 takes out_dir's lock)
+        r = subprocess.run(torchrun_cmd(2, f'--out_dir={out_dir}', *RUN, *extra, restarts=1), capture_output=True,
+                           text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+        assert r.returncode != 0 and r.stderr.count(f'config error: ') == 2 and how in r.stderr, r.stderr[-3000:]
+        assert 'resuming from' not in r.stdout and sorted(os.listdir(out_dir)) == before
+    assert sorted(os.listdir(out_dir)) == ['.lock', ckpt(out_dir, 9)[-13:], ckpt(out_dir, 10)[-13:]]
+    os.environ['TORCHELASTIC_RUN_ID'], saved = 'none', os.environ.get('TORCHELASTIC_RUN_ID')
+    try:  # a static rendezvous (several nodes, no --rdzv-id): rank 0 stays on node 0, under the same torchrun agent
+        assert resume.job_id() == f"{socket.gethostname()} {os.getppid()}"
+    finally:
+        os.environ.pop('TORCHELASTIC_RUN_ID') if saved is None else os.environ.update(TORCHELASTIC_RUN_ID=saved)
+
+
+def test_a_checkpoint_found_after_the_data_is_prepared_stops_the_run_in_one_line(tmp_path):
+    # a fresh clone prepares its data in main(): __main__ could not check out_dir's checkpoints before (the vocab comes
+    # from meta.json), and main()'s check printed a traceback from every rank instead of one line
+    out_dir = str(tmp_path / 'out')
+    shutil.copytree(ckpt(straight_run()[0], 10), ckpt(out_dir, 10))
+    args = ['config/shakespeare_char.py', *ON_CPU, *SMALL, *RUN, f'--out_dir={out_dir}']
+    code = f"import train; train.main(train.parse_config({args!r}))"  # main() alone, as after a first preparation
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.splitlines()[-1].startswith(f"config error: {ckpt(out_dir, 10)} is a checkpoint of an earlier run")
+
+
 def test_killed_rank_restarts_from_the_last_complete_checkpoint_and_ends_bit_identically():
     """One job dies three times: rank 1 after iteration 5's step (the newest checkpoint is 4); on the first
     restart, rank 1 after writing its file of ckpt-7 (a .tmp directory without a manifest); on the second, rank 0
@@ -501,7 +544,7 @@ def test_killed_rank_restarts_from_the_last_complete_checkpoint_and_ends_bit_ide
     resumed = [line.split()[2] for line in log.splitlines() if line.startswith('resuming from')]
     assert resumed == [ckpt(out_dir, 4), ckpt(out_dir, 6), ckpt(out_dir, 7)]  # never the half-written 7 or 8
     assert log.count(f'saving checkpoint {ckpt(out_dir, 7)} ') == 2 and log.count(f'saving checkpoint {ckpt(out_dir, 8)} ') == 2
-    assert sorted(os.listdir(out_dir)) == ['.lock'] + [f'ckpt-{i:08d}' for i in range(6, 11)]  # no .tmp left, 5 kept
+    assert sorted(os.listdir(out_dir)) == ['.job', '.lock'] + [f'ckpt-{i:08d}' for i in range(6, 11)]  # no .tmp left, 5 kept
     straight, straight_log = straight_run()
     last_eval = [next(line for line in text.splitlines() if line.startswith('step 10:')) for text in (log, straight_log)]
     assert last_eval[0] == last_eval[1]
@@ -576,18 +619,35 @@ def test_sample_py_refuses_settings_that_cannot_sample_in_one_line(capsys, monke
     assert e.value.code == 2 and f".py: error: {message}" in last, last
 
 
+def test_consolidate_into_a_directory_that_is_not_there_stops_in_one_line_before_reading(tmp_path):
+    # before: a traceback from torch.save, after the whole checkpoint was read and checked
+    out = str(tmp_path / 'missing' / 'model.pt')
+    r = subprocess.run([sys.executable, 'consolidate.py', straight_run()[0], '-o', out], capture_output=True, text=True,
+                       timeout=120)
+    assert (r.returncode, r.stderr) == (1, f"checkpoint error: -o {out}: there is no directory {tmp_path}/missing: make it first\n")
+
+
 def test_sample_py_given_one_ranks_shard_file_says_what_it_takes():
     shard = os.path.join(ckpt(straight_run()[0], 10), 'rank00000.pt')
     with pytest.raises(SystemExit, match=f"cannot sample from {shard}: not a consolidated model: give its ckpt-N "
                                          "directory or out_dir"):
         sample.main([f'--ckpt={shard}', '--device=cpu'])
 
-def test_sample_decodes_characters_and_gpt2_tokens():
+def test_sample_decodes_characters_and_gpt2_tokens(monkeypatch):
     encode, decode = sample.tokenizer({'config': {'dataset': 'shakespeare_char'}})
     assert len(encode('ROMEO: O, she')) == 13 and decode(encode('ROMEO: O, she')) == 'ROMEO: O, she'
     assert decode(encode('ab') + [120]) == 'ab'  # 84 characters padded to a vocab of 128: padding decodes to nothing
     encode, decode = sample.tokenizer({'config': {'dataset': 'shakespeare'}})
     assert encode('Hello world') == [15496, 995] and decode([15496, 995, 50300]) == 'Hello world'  # 50257 -> 50304
+    # a checkpoint carries its tokenizer: before, with the dataset's meta.json absent (a machine given only out_dir),
+    # a character model was decoded as GPT-2 tokens: an IndexError, or wrong text
+    monkeypatch.setattr(checkpoint, 'dataset_meta', lambda dataset: {})
+    manifest = resume.read_manifest(ckpt(straight_run()[0], 10))
+    assert manifest['meta']['tokenizer'] == 'char'
+    encode, decode = sample.tokenizer(manifest)
+    assert decode(encode('ROMEO: O, she')) == 'ROMEO: O, she'
+    with pytest.raises(SystemExit, match="the tokenizer of this 128-token model is unknown: data/shakespeare_char/meta.json"):
+        sample.tokenizer({'config': {'dataset': 'shakespeare_char'}, 'model_args': {'vocab_size': 128}})
 
 def test_sample_py_decodes_gpt2_tokens_offline_from_the_bpe_files_beside_meta_json(tmp_path, monkeypatch, capsys):
     """A GPU machine has no internet: the dataset directory carries GPT-2's BPE (prepare writes it beside meta.json);

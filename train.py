@@ -331,13 +331,22 @@ def compile_model(model, engine):
     model.head = torch.compile(model.head)
 
 
+def config_error(e, rank):  # sys.exit's: one line from rank 0 (every rank meets it), or from a rank a file was Unreadable to
+    return f"{f'rank {rank}: ' * (rank > 0)}config error: {e}" if rank == 0 or isinstance(e, resume.Unreadable) else 1
+
+
 def main(cfg):
     device, rank, world_size = comm.start_process_group(cfg['device'], cfg['backend'])
     master_process = rank == 0
     log = print if master_process else (lambda *a, **k: None)
     prepare_data(cfg, rank)
     args = model_args(cfg, vocab_size(cfg))
-    found = resume.find_resume(cfg, args)  # None, or (path, manifest, damaged): errors before any training step
+    try:  # (in __main__ too, unless the data was prepared just now: its vocab was unknown there)
+        found = resume.find_resume(cfg, args)  # None, or (path, manifest, damaged): errors before any training step
+    except ValueError as e:
+        sys.exit(config_error(e, rank))
+    if master_process and not cfg['eval_only']:  # out_dir is this job's: its torchrun restarts resume
+        resume.mark_job(cfg['out_dir'])
     if cfg['zero_stage'] == 'auto':  # the lowest stage that fits in the least memory of any rank (memory.py)
         try:
             cfg['zero_stage'], line = memory.choose_stage(cfg, zero_config(cfg), device, world_size, args)
@@ -452,6 +461,5 @@ if __name__ == '__main__':
         if os.path.exists(os.path.join(data_dir(config), 'meta.json')):  # else the vocab is known after preparing it
             resume.find_resume(config, model_args(config, vocab_size(config)))  # a bad checkpoint: one line too
     except ValueError as e:  # one line, once (torchrun starts every rank with the same mistake), exit code 1
-        rank = int(os.environ.get('RANK', 0))  # a file one node could not look at (Unreadable): that rank says so
-        sys.exit(f"{f'rank {rank}: ' * (rank > 0)}config error: {e}" if rank == 0 or isinstance(e, resume.Unreadable) else 1)
+        sys.exit(config_error(e, int(os.environ.get('RANK', 0))))
     main(config)
