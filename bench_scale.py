@@ -75,16 +75,10 @@ def reset_peak(device):
 def build_fsdp2(cfg, device, args, world_size):
     """torch FSDP2 as fsdp_lite: each block, then the root; built on the meta device, then only this rank's
     shards are allocated (to_empty) and filled (the values do not matter under the fake process group)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     zcfg = train.zero_config(cfg)
     with torch.device('meta'):
         model = GPT(GPTConfig(**args), seed=cfg['seed'])
-    mesh = init_device_mesh(device.type, (world_size,))  # named: left out, FSDP2 picks a GPU even for a CPU run
-    policy = MixedPrecisionPolicy(param_dtype=zcfg.param_dtype, reduce_dtype=torch.float32)
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    bench_zero.shard_fsdp2(model, device, world_size, cfg)  # units and reshard_after_forward as ours
     if cfg['activation_checkpointing']:
         fsdp_lite.checkpoint_activations(model.transformer.h)
     model.to_empty(device=device)
@@ -93,7 +87,10 @@ def build_fsdp2(cfg, device, args, world_size):
             model.init_param(name, p.to_local())  # this rank's rows, drawn as if they were the whole param
     optimizer = torch.optim.AdamW(model.param_groups(zcfg.weight_decay), lr=cfg['learning_rate'],
                                   betas=(zcfg.beta1, zcfg.beta2), eps=zcfg.eps)
-    return model, bench_zero.TorchEngine(model, model, optimizer, zcfg.grad_clip)  # zero_grad(set_to_none) each step
+    engine = bench_zero.TorchEngine(model, model, optimizer, zcfg.grad_clip)  # zero_grad(set_to_none) each step
+    if cfg['compile']:  # per unit, as our stages (before, zero3 ran compiled beside an eager fsdp2)
+        train.compile_model(model, engine)
+    return model, engine
 
 
 def states_after_step(engine):
@@ -231,12 +228,13 @@ def job_peak_flops(device, cfg, speedup):
     return matmul_flops(device, getattr(torch, cfg['dtype'])) * (speedup or 1.0)
 
 
-def parse_speedup(spec):
-    """--speedup: a number, or 'h100': the H100's bf16 peak over this CPU's measured matmul FLOP/s."""
+def parse_speedup(spec, dtype=torch.float32):
+    """--speedup: a number, or 'h100': the H100's bf16 peak over this CPU's matmul FLOP/s in the job's dtype (the
+    one the job computes in: a CPU's bf16 or fp16 matmul can be far from its fp32 one)."""
     if spec is None:
         return None
     if spec == 'h100':
-        return H100_FLOPS / matmul_flops(torch.device('cpu'), torch.float32)
+        return H100_FLOPS / matmul_flops(torch.device('cpu'), dtype)
     try:
         value = float(spec)
     except ValueError:
@@ -345,8 +343,11 @@ def print_link_table(args, cfg, done):
 
 def bench_scale(args):
     t_start = time.perf_counter()
+    cfg = scale_config(args)
+    if args.speedup and cfg['device'].startswith('cuda'):  # here, not in each kind's process after its build
+        raise ValueError("--speedup projects a CPU's compute onto a faster device's: on a GPU, leave it out")
     if args.speedup == 'h100':  # measured once, here, so every kind uses the same factor
-        args.speedup = f"{parse_speedup('h100'):.4g}"
+        args.speedup = f"{parse_speedup('h100', getattr(torch, cfg['dtype'])):.4g}"
     parse_speedup(args.speedup)
     for spec in args.link:
         comm.parse_link(spec)  # a bad --link fails here, in one line
@@ -355,7 +356,6 @@ def bench_scale(args):
         raise ValueError(f"unknown kinds {sorted(set(kinds) - set(KINDS) - set(bench_zero.KINDS))}: choose from {','.join(KINDS)}")
     skipped = [k for k in kinds if k not in KINDS]  # the DDP kinds: DDP's comm hook fails under the fake group
     kinds = [k for k in kinds if k in KINDS]
-    cfg = scale_config(args)
     results = [run_kind(kind, args) for kind in kinds]
     print(f"$ python bench.py scale {' '.join(sys.argv[2:])}\n")
     done = [r for r in results if 'failed' not in r]

@@ -109,20 +109,27 @@ def build(kind, cfg, device):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         module = DDP(model, gradient_as_bucket_view=True)  # as zero.DataParallel: one copy of the grads
         optimizer = ZeroRedundancyOptimizer(model.param_groups(zcfg.weight_decay), torch.optim.AdamW, **adamw)
-    else:  # fsdp2: each block, then the root (embeddings, tied lm_head, ln_f), as fsdp_lite does
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        # the mesh names the run's device: left out, FSDP2 picks the machine's accelerator (a GPU) even on gloo
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        policy = MixedPrecisionPolicy(param_dtype=zcfg.param_dtype, reduce_dtype=torch.float32)
-        for block in model.transformer.h:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        module = fully_shard(model, mesh=mesh, mp_policy=policy)
+    else:
+        module = shard_fsdp2(model, device, dist.get_world_size(), cfg)
         optimizer = torch.optim.AdamW(model.param_groups(zcfg.weight_decay), **adamw)  # of the DTensor params
     engine = TorchEngine(module, model, optimizer, zcfg.grad_clip)
     if cfg['compile']:  # FSDP2 per unit, as our stages 1-3; DDP + ZeroRedundancyOptimizer whole, as our stage 0
         train.compile_model(model, engine)
     return engine
+
+
+def shard_fsdp2(model, device, world_size, cfg):
+    """torch FSDP2 as fsdp_lite shards: units of blocks_per_unit blocks, then the root (embeddings, tied lm_head,
+    ln_f), reshard_after_forward as ours (before, a --set of either changed our stage 3 and not FSDP2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device.type, (world_size,))  # named: left out, FSDP2 picks a GPU even on gloo
+    policy = MixedPrecisionPolicy(param_dtype=train.zero_config(cfg).param_dtype, reduce_dtype=torch.float32)
+    blocks, k = list(model.transformer.h), cfg['blocks_per_unit']
+    for i in range(0, len(blocks), k):  # a list of modules: one unit, one all-gather
+        fully_shard(blocks[i:i + k] if k > 1 else blocks[i], mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=cfg['reshard_after_forward'])
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 SETTINGS = ('blocks_per_unit', 'prefetch', 'reshard_after_forward', 'bucket_mb', 'reduce_dtype', 'compile',

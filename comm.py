@@ -368,8 +368,11 @@ class Clock:
     def now(self):
         return time.perf_counter()
 
-    def wait_until(self, t):
-        time.sleep(max(0.0, t - time.perf_counter()))
+    def wait_until(self, t):  # a sleep wakes ~0.1 ms late (more on a busy machine): sleep to 1 ms short, then spin
+        if t - time.perf_counter() > 1e-3:
+            time.sleep(t - time.perf_counter() - 1e-3)
+        while time.perf_counter() < t:
+            pass
 
 
 class VirtualClock:
@@ -426,7 +429,7 @@ class Link:
         now = self.clock.now()
         if end > now:
             self.clock.wait_until(end)
-            self.blocked[kind] += self.clock.now() - now  # measured: a real sleep may overshoot a little
+            self.blocked[kind] += end - now  # the link's time, not the clock's overshoot (exposed <= busy)
 
     # --- on CUDA: a side stream that spins for each collective's time
 
