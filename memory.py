@@ -97,6 +97,8 @@ class Activations:
     head: int  # saved by the loss head: ln_f's input, the grads of x (fp32) and of the tied weight (fp32, vocab x C)
     forward: int  # the head's transients in forward: logits chunks, or a chunk beside the weight grad's matmul output
     backward: int  # the head's backward: the grads of x and of the weight scaled by the incoming grad (fp32)
+    checkpointing: bool = False
+    residual32: int = 0  # stage 0's fp32 params: each checkpointed block saves an fp32 input, not an a-byte one
 
     def peak(self):
         """The model's own activation peak, no ZeRO buffers: the head's forward or backward, or a block's backward."""
@@ -120,7 +122,8 @@ def activations(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointin
     forward = V * max(chunks, rows * (4 + low) + C * a)
     block = per_block + (tokens * C * (14 * a + 2 * 4) if checkpointing else 0) + tokens * C * 8 * a
     return Activations(blocks=saved - head, others=saved - head - per_block, block=block, head=head, forward=forward,
-                       backward=tokens * C * 4 + V * C * 4)
+                       backward=tokens * C * 4 + V * C * 4, checkpointing=checkpointing,
+                       residual32=n_layer * tokens * C * (4 - a) if checkpointing else 0)
 
 
 def activation_bytes(n_layer, n_embd, vocab_size, tokens, compute_bytes, checkpointing=False):
@@ -150,7 +153,7 @@ def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, act=NO_ACTI
     (C) prefetch + 1 units; every block, without reshard_after_forward. A
     unit is blocks_per_unit blocks (fsdp_lite [Note: blocks per unit]), of block_numel each (GPT's are alike).
     Not modelled: a block's backward temporaries beyond the ~8 values per token and channel Activations.block counts,
-    stage 0's bf16 copy of fp32 params under autocast, allocator slack. (Stage 3's all-gather input takes no memory of
+    allocator slack. (Stage 3's all-gather input takes no memory of
     its own: the shard is rounded into its row of the unsharded param, fsdp_lite [Note: a cast per gather]; on the
     torch ops' path, fp16 or no kernel library, the rounding makes shard-sized temporaries.)"""
     r, p = cfg.reduce_dtype.itemsize, cfg.param_dtype.itemsize if stage > 0 else 4  # stage 0: DDP's fp32 params
@@ -161,9 +164,14 @@ def transient_bytes(stage, cfg, block_numel, root_numel, psi, world, act=NO_ACTI
     pending, cast = root_numel * p, root_numel * p if p < 4 else 0
     # the last unit stays gathered into backward (fsdp_lite [Note: the last unit stays gathered]): one at least
     gathered = [max(kept, min(psi - root_numel, n * unit)) for n in (1, max(1, cfg.prefetch), cfg.prefetch + 1)]
-    moments = {'A': act.blocks + act.head + act.forward + share * (root_numel + gathered[0]),
-               'B': act.blocks + act.head + act.backward + cast + share * (root_numel + gathered[1]),
-               'C': act.others + pending + max(act.block, bucket * (p + r)) + share * (root_numel + gathered[2]),
+    # stage 0 computing in a < 4 bytes (autocast) on fp32 params: the forward's casts of the weights, which autocast
+    # keeps to the forward's end and the backward as long as its saved tensors use them (checkpointed: the head's, and
+    # the recomputed block's), and with checkpointing each block's fp32 input (the residual stream is fp32 there)
+    a, held = cfg.param_dtype.itemsize, [psi, root_numel, block_numel] if act.checkpointing else [psi] * 3
+    casts = [n * a + act.residual32 if stage == 0 and a < 4 else 0 for n in held]
+    moments = {'A': act.blocks + act.head + act.forward + share * (root_numel + gathered[0]) + casts[0],
+               'B': act.blocks + act.head + act.backward + cast + share * (root_numel + gathered[1]) + casts[1],
+               'C': act.others + pending + max(act.block, bucket * (p + r)) + share * (root_numel + gathered[2]) + casts[2],
                'D': max(2 * pending, pending + (root_numel * r if stage > 1 else 0)) + share * root_numel}
     return max(moments.values())
 
