@@ -1,6 +1,6 @@
 # torchrun --standalone --nproc_per_node=2 train.py config/shakespeare_char.py
 # README command (1): a small GPT (4 layers, 128 wide, 0.8M params) on the 42 Shakespeare plays, one token per
-# character (84 of them), on a laptop CPU with 2 gloo ranks and ZeRO-2. Val loss 4.84 -> 1.82 (2 min 27 s, 2 cores); then
+# character (84 of them), on a laptop CPU with 2 gloo ranks and ZeRO-2. Val loss 4.84 -> 1.82 (about 2 minutes on 2 cores: the README); then
 # python sample.py --out_dir=out-shakespeare-char prints text that reads like a play.
 out_dir = 'out-shakespeare-char'
 eval_interval = 100
