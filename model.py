@@ -320,7 +320,8 @@ def peak_flops(device):
     if device.type != 'cuda':
         return None
     name = torch.cuda.get_device_name(device)
-    table = {'H100 PCIe': 756e12, 'H100 NVL': 835e12,  # before plain 'H100' (SXM): the first match wins
+    table = {'H100 PCIe': 756e12, 'H100 NVL': 835e12, 'H200 NVL': 835e12, 'H800 PCIe': 756e12,  # before the SXM
+             # parts' plain names: the first match wins
              'H100': 989e12, 'H200': 989e12, 'H800': 989e12, 'A100': 312e12, 'A800': 312e12,
              'L40S': 362e12, '4090': 165e12, 'A10G': 70e12}
     for key, flops in table.items():

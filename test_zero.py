@@ -401,7 +401,8 @@ def test_mfu_is_none_without_a_known_peak():
 
 @pytest.mark.parametrize('name, flops', [('NVIDIA H100 80GB HBM3', 989e12), ('NVIDIA H100 PCIe', 756e12),
                                          ('NVIDIA H100 NVL', 835e12), ('NVIDIA H200', 989e12),
-                                         ('NVIDIA A100-SXM4-80GB', 312e12), ('NVIDIA H800', 989e12), ('Tesla T4', None)])
+                                         ('NVIDIA A100-SXM4-80GB', 312e12), ('NVIDIA H800', 989e12), ('Tesla T4', None),
+                                         ('NVIDIA H200 NVL', 835e12), ('NVIDIA H800 PCIe', 756e12)])
 def test_peak_flops_by_gpu_name(monkeypatch, name, flops):
     monkeypatch.setattr(torch.cuda, 'get_device_name', lambda device=None: name)
     assert peak_flops(torch.device('cuda', 0)) == flops
