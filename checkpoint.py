@@ -140,7 +140,8 @@ def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
     dist.barrier(group=process_group)  # every rank's file is complete: [Note: atomic checkpoints]
     if rank == 0:
         manifest = dict(format=FORMAT, iter_num=iter_num, best_val_loss=best_val_loss, config=cfg,
-                        model_args=model_args, meta=dataset_meta(cfg['dataset']),  # the tokenizer, for sample.py data_position=dict(seed=cfg.get('seed'), next_iteration=iter_num),
+                        model_args=model_args, data_position=dict(seed=cfg.get('seed'), next_iteration=iter_num),
+                        meta=dataset_meta(cfg['dataset']),  # the tokenizer: sample.py and consolidate.py read it here
                         stage=engine.stage, world_size=world_size, param_dtype=str(engine.cfg.param_dtype)[6:],
                         precision=vars(engine.cfg.precision), populations=populations, step_count=step_count(engine),
                         loss_scale=scaler_state(engine), layout=layout(engine),
