@@ -141,7 +141,7 @@ def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
     if rank == 0:
         manifest = dict(format=FORMAT, iter_num=iter_num, best_val_loss=best_val_loss, config=cfg,
                         model_args=model_args, data_position=dict(seed=cfg.get('seed'), next_iteration=iter_num),
-                        meta=dataset_meta(cfg['dataset']),  # the tokenizer: sample.py and consolidate.py read it here
+                        meta=dataset_meta(cfg['dataset']) if cfg.get('dataset') else {},  # the tokenizer, for sample.py
                         stage=engine.stage, world_size=world_size, param_dtype=str(engine.cfg.param_dtype)[6:],
                         precision=vars(engine.cfg.precision), populations=populations, step_count=step_count(engine),
                         loss_scale=scaler_state(engine), layout=layout(engine),

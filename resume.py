@@ -145,6 +145,7 @@ def job_id():
 
 def mark_job(out_dir):
     """Rank 0, its checks passed: out_dir is this job's ([Note: a restart of this job])."""
+    os.makedirs(out_dir, exist_ok=True)  # (claim made it, where train.py's __main__ ran)
     with open(os.path.join(out_dir, '.job.tmp'), 'w') as f:
         f.write(job_id())
     os.replace(os.path.join(out_dir, '.job.tmp'), os.path.join(out_dir, '.job'))
