@@ -634,10 +634,11 @@ def test_sample_py_given_one_ranks_shard_file_says_what_it_takes():
         sample.main([f'--ckpt={shard}', '--device=cpu'])
 
 def test_sample_decodes_characters_and_gpt2_tokens(monkeypatch):
-    encode, decode = sample.tokenizer({'config': {'dataset': 'shakespeare_char'}})
+    encode, decode = sample.tokenizer({'config': {'dataset': 'shakespeare_char'}, 'model_args': {'vocab_size': 128}})
     assert len(encode('ROMEO: O, she')) == 13 and decode(encode('ROMEO: O, she')) == 'ROMEO: O, she'
     assert decode(encode('ab') + [120]) == 'ab'  # 84 characters padded to a vocab of 128: padding decodes to nothing
-    encode, decode = sample.tokenizer({'config': {'dataset': 'shakespeare'}})
+    # (a fresh clone has not prepared data/shakespeare: no meta.json, and a 50304-token model is taken as GPT-2's)
+    encode, decode = sample.tokenizer({'config': {'dataset': 'shakespeare'}, 'model_args': {'vocab_size': 50304}})
     assert encode('Hello world') == [15496, 995] and decode([15496, 995, 50300]) == 'Hello world'  # 50257 -> 50304
     # a checkpoint carries its tokenizer: before, with the dataset's meta.json absent (a machine given only out_dir),
     # a character model was decoded as GPT-2 tokens: an IndexError, or wrong text
