@@ -369,8 +369,9 @@ class Clock:
         return time.perf_counter()
 
     def wait_until(self, t):  # a sleep wakes ~0.1 ms late (more on a busy machine): sleep to 1 ms short, then spin
-        if t - time.perf_counter() > 1e-3:
-            time.sleep(t - time.perf_counter() - 1e-3)
+        left = t - time.perf_counter()  # read once: a second read may be later than t
+        if left > 1e-3:
+            time.sleep(left - 1e-3)
         while time.perf_counter() < t:
             pass
 

@@ -135,7 +135,10 @@ NO_FALLBACK = "put the file back from a copy, or start over in another out_dir (
 # prune it. So rank 0, once its checks have passed, writes the job's id into out_dir/.job, and a restart counts as one
 # only where that file names this job: its rendezvous id (--standalone draws one; a static rendezvous has 'none', and
 # keeps rank 0 on node 0: there the host and the torchrun agent, this process's parent). The other ranks cannot see
-# rank 0's agent and keep the plain count: rank 0's refusal stops the job (its agent ends the other workers).
+# rank 0's agent and keep the plain count: rank 0's refusal stops the job (its agent ends the other workers). Where
+# 'none' is not a static rendezvous (c10d without --rdzv-id) and a restart moves rank 0 to another node, that restart
+# refuses as a new run would, and says so: give torchrun --rdzv-id=<the job's id>. Where hosts and agents' pids repeat
+# across jobs (containers, the agent as pid 1), two jobs look alike: a restart resumes any checkpoint, as before.
 
 
 def job_id():
@@ -170,13 +173,16 @@ def find_resume(cfg, model_args, before=None):
     passed over, (path, why) each in damaged, for load() to set aside ([Note: a damaged checkpoint]); every other
     problem is a ValueError naming the file, raised before any training step. before: only older ones (load's)."""
     restarted = restart_of_this_job(cfg['out_dir'])  # [Note: a restart of this job]
+    again = '' if restarted or not int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)) else (
+        " (again, in torchrun's restart: its first attempt did not take this out_dir; under a c10d rendezvous, give "
+        "--rdzv-id for restarts to know their job)")
     found = [p for p in complete(cfg['out_dir']) if before is None or p < before]
     if before and not found:
         raise Damaged(f"no older checkpoint to fall back on: {NO_FALLBACK}")
     if cfg['init_from'] != 'resume' and not restarted:
         if found:
             raise ValueError(f"{found[-1]} is a checkpoint of an earlier run and init_from='scratch': continue it with "
-                             f"init_from='resume', or start over in another out_dir (or delete its ckpt-* directories)")
+                             f"init_from='resume', or start over in another out_dir (or delete its ckpt-* directories){again}")
         return None
     if not found and restarted:  # died before its first checkpoint: start over
         return None
@@ -197,7 +203,7 @@ def find_resume(cfg, model_args, before=None):
                       f"evaluate {os.path.basename(path)})")
     if manifest['iter_num'] >= cfg['max_iters'] and not (restarted or cfg['eval_only']):
         raise ValueError(f"{path} is at iteration {manifest['iter_num']} and max_iters={cfg['max_iters']}: nothing is "
-                         f"left to train; raise max_iters (or evaluate it with eval_only=True)")
+                         f"left to train; raise max_iters (or evaluate it with eval_only=True){again}")
     differ = {k: (manifest['model_args'].get(k), model_args.get(k)) for k in SHAPE_ARGS
               if manifest['model_args'].get(k) != model_args.get(k)}
     if differ:

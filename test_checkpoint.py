@@ -511,6 +511,7 @@ def test_a_refusal_outlives_torchruns_restarts_and_the_other_runs_checkpoints_st
         r = subprocess.run(torchrun_cmd(2, f'--out_dir={out_dir}', *RUN, *extra, restarts=1), capture_output=True,
                            text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
         assert r.returncode != 0 and r.stderr.count(f'config error: ') == 2 and how in r.stderr, r.stderr[-3000:]
+        assert r.stderr.count("(again, in torchrun's restart: its first attempt did not take this out_dir") == 1
         assert 'resuming from' not in r.stdout and sorted(os.listdir(out_dir)) == before
     assert sorted(os.listdir(out_dir)) == ['.lock', ckpt(out_dir, 9)[-13:], ckpt(out_dir, 10)[-13:]]
     os.environ['TORCHELASTIC_RUN_ID'], saved = 'none', os.environ.get('TORCHELASTIC_RUN_ID')
