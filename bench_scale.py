@@ -351,6 +351,8 @@ def bench_scale(args):
     parse_speedup(args.speedup)
     for spec in args.link:
         comm.parse_link(spec)  # a bad --link fails here, in one line
+    if len(set(args.link)) < len(args.link):  # (one row a link: two of one name pooled their steps)
+        raise ValueError(f"--link {' --link '.join(args.link)}: a link is named twice; give each once")
     kinds = args.kinds.split(',')
     if set(kinds) - set(KINDS) - set(bench_zero.KINDS):
         raise ValueError(f"unknown kinds {sorted(set(kinds) - set(KINDS) - set(bench_zero.KINDS))}: choose from {','.join(KINDS)}")

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 import kernels
-from resume import FORMAT, ChangedFile, Damaged, complete, find_resume, set_aside, sync_directory, verify
+from resume import FORMAT, ChangedFile, Damaged, Unreadable, complete, find_resume, set_aside, sync_directory, verify
 
 POPULATIONS = ('master', 'exp_avg', 'exp_avg_sq')
 DATA_KEYS = ('dataset', 'seed', 'batch_size', 'gradient_accumulation_steps')  # may change too: load() says so
@@ -263,8 +263,9 @@ class Shards:
             name = os.path.join(self.path, f'rank{rank:05d}.pt')
             try:
                 self.files[rank] = torch.load(name, map_location='cpu', mmap=True, weights_only=True)
-            except Exception as e:
-                raise ValueError(f"{name}: cannot be read ({type(e).__name__}: {str(e)[:200]})") from None
+            except Exception as e:  # after verify read it whole: gone since (a prune), or an I/O error on this rank
+                raise Unreadable(f"{name}: cannot be read ({type(e).__name__}: {str(e)[:200]}): run again, or move this "
+                                 "ckpt-* directory aside to resume from the one before") from None
         return self.files[rank]
 
     def decode(self, rank, population, lo, hi):

@@ -11,6 +11,7 @@ timing one step (--quick): a warm-up, the step without a link (compute alone), t
 """
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -41,6 +42,8 @@ def main():
     parser.add_argument('--out', default='assets/link_study')
     cli = parser.parse_args()
     speedup = f"{bench_scale.parse_speedup(cli.speedup):.4g}"  # measured once: every setting uses the same factor
+    if cli.append and not os.path.exists(cli.out + '.json'):  # before: a traceback after nothing was run
+        sys.exit(f"--append: {cli.out}.json is not there yet: run once without --append")
     t0, rows = time.perf_counter(), json.load(open(cli.out + '.json')) if cli.append else []
     chosen = [SETTINGS[int(i)] for i in cli.settings.split(',')] if cli.settings else SETTINGS
     for world in [int(w) for w in cli.worlds.split(',')]:

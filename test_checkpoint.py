@@ -521,6 +521,18 @@ def test_a_refusal_outlives_torchruns_restarts_and_the_other_runs_checkpoints_st
         os.environ.pop('TORCHELASTIC_RUN_ID') if saved is None else os.environ.update(TORCHELASTIC_RUN_ID=saved)
 
 
+def test_a_shard_gone_after_verify_is_unreadable_and_said_by_the_rank_that_read_it(tmp_path):
+    # verify read every file whole; a prune (keep_last=1 beside a reader) or an I/O error can still take one before
+    # load reads it: before, a plain ValueError, a traceback in train.py from that rank alone
+    path = ckpt(str(tmp_path), 10)
+    shutil.copytree(ckpt(straight_run()[0], 10), path)
+    shards = checkpoint.Shards(path, resume.read_manifest(path))
+    os.remove(os.path.join(path, 'rank00001.pt'))
+    with pytest.raises(resume.Unreadable, match=r"rank00001\.pt: cannot be read \(.*\): run again, or move this ckpt-\* "):
+        shards.file(1)
+    assert train.config_error(resume.Unreadable('x'), 1) == 'rank 1: config error: x'  # train.py's line, from rank 1
+
+
 def test_a_checkpoint_found_after_the_data_is_prepared_stops_the_run_in_one_line(tmp_path):
     # a fresh clone prepares its data in main(): __main__ could not check out_dir's checkpoints before (the vocab comes
     # from meta.json), and main()'s check printed a traceback from every rank instead of one line

@@ -96,7 +96,7 @@ def test_link_presets_and_custom_links_parse_and_bad_ones_say_how():
         bench_scale.link_clock(torch.device('cuda', 0), 10.0)
 
 
-def test_bench_scale_refuses_speedup_on_a_gpu_before_any_kind_runs_and_takes_h100_in_the_jobs_dtype(monkeypatch):
+def test_bench_scale_and_study_link_refuse_what_they_cannot_run_before_running_and_take_h100_in_the_jobs_dtype(monkeypatch, tmp_path):
     # before: each kind was built and warmed up on the GPU, then died in a traceback; and h100's factor was this
     # CPU's fp32 matmul's, whatever dtype the job computes in (a CPU's bf16 matmul can be far from its fp32 one)
     ran = []
@@ -112,6 +112,12 @@ def test_bench_scale_refuses_speedup_on_a_gpu_before_any_kind_runs_and_takes_h10
     assert ran == []
     bench_scale.bench_scale(parser.parse_args([*tiny, '--speedup=h100', '--set=device=cpu', '--set=dtype=bfloat16']))
     assert ran == [f"{989e12 / 4e11:.4g}"]
+    with pytest.raises(ValueError, match="a link is named twice"):  # before: one row, the two runs' steps pooled
+        bench_scale.bench_scale(parser.parse_args([*tiny, '--link=ib400', '--set=device=cpu']))
+    # and study_link.py --append with nothing to append to: one line before any run, not a traceback after
+    out = subprocess.run([sys.executable, 'study_link.py', '--append', '--out', str(tmp_path / 'study')],
+                         capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stderr) == (1, f"--append: {tmp_path}/study.json is not there yet: run once without --append\n")
 
 
 def test_a_link_per_collective_times_each_kind_with_its_own_bandwidth_and_latency():

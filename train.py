@@ -366,8 +366,8 @@ def main(cfg):
     model, engine = build(cfg, device, args)
     try:  # damaged, with nothing whole to fall back on (a CRC-32 is checked here): every rank stops, rank 0 says so
         iter_num, best_val_loss = checkpoint.load(engine, *found, log=log, cfg=cfg) if found else (0, 1e9)
-    except (resume.Damaged, resume.Unreadable) as e:  # every rank alike (verify's MAX, find_resume's files)
-        sys.exit(f"config error: {e}" if master_process else 1)
+    except (resume.Damaged, resume.Unreadable) as e:  # every rank alike (verify's MAX), or the rank a read failed on
+        sys.exit(config_error(e, rank))
     autocast = nullcontext() if cfg['dtype'] == 'float32' else torch.autocast(device.type, getattr(torch, cfg['dtype']))
     optimizer = 'torch AdamW' if cfg['zero_stage'] == 0 else f'kernels.adamw_step, impl={impl}, {engine.cfg.precision}'
     log(f"world size {world_size} ({dist.get_backend()}), device {device}, dtype {cfg['dtype']}, "
