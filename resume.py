@@ -155,8 +155,7 @@ def mark_job(out_dir):
 
 
 def restart_of_this_job(out_dir):
-    if int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)) == 0:
-        return False
+    """On a torchrun restart: whether out_dir is this job's ([Note: a restart of this job])."""
     if int(os.environ.get('RANK', 0)) != 0:
         return True
     try:
@@ -172,10 +171,10 @@ def find_resume(cfg, model_args, before=None):
     out_dir ([Note: a restart of this job]). Newer ones found Damaged are
     passed over, (path, why) each in damaged, for load() to set aside ([Note: a damaged checkpoint]); every other
     problem is a ValueError naming the file, raised before any training step. before: only older ones (load's)."""
-    restarted = restart_of_this_job(cfg['out_dir'])  # [Note: a restart of this job]
-    again = '' if restarted or not int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)) else (
-        " (again, in torchrun's restart: its first attempt did not take this out_dir; under a c10d rendezvous, give "
-        "--rdzv-id for restarts to know their job)")
+    attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
+    restarted = attempt > 0 and restart_of_this_job(cfg['out_dir'])  # [Note: a restart of this job]
+    again = " (again, in torchrun's restart: its first attempt did not take this out_dir; under a c10d rendezvous, give " \
+            "--rdzv-id for restarts to know their job)" if attempt and not restarted else ''
     found = [p for p in complete(cfg['out_dir']) if before is None or p < before]
     if before and not found:
         raise Damaged(f"no older checkpoint to fall back on: {NO_FALLBACK}")
