@@ -31,8 +31,13 @@ KINDS = ('all_gather', 'reduce_scatter', 'all_reduce')
 KEYS = {kind: key for key, kind in comm.KIND_KEYS.items()}  # all_gather -> ag, as --link takes it
 
 
+def buffer_numels(world_size):
+    return [size - size % world_size for size in SIZES]  # each a multiple of N: at 3 ranks 1023 elements, not 1024
+
+
 def time_collective(kind, numel, world_size, repeats):
-    """Median seconds of one collective over a numel-element fp32 buffer, the slowest rank's."""
+    """Median seconds of one collective over a numel-element fp32 buffer, the slowest rank's (numel: a multiple of
+    world_size, as every collective of ours: a flat buffer is padded to one, [Note: padding] in zero.py)."""
     full, shard = torch.zeros(numel, device='cpu'), torch.zeros(numel // world_size, device='cpu')  # gloo
     times = []
     for _ in range(repeats + 2):  # the first two are a warm-up
@@ -70,7 +75,7 @@ def bench_link(args):
     dist.init_process_group('gloo')
     rank, world_size = dist.get_rank(), dist.get_world_size()
     rows = []
-    for numel in SIZES:
+    for numel in buffer_numels(world_size):
         for kind in KINDS:
             rows.append((kind, 4 * numel, time_collective(kind, numel, world_size, repeats=max(3, min(20, 2**22 // numel)))))
     if rank == 0:

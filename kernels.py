@@ -75,6 +75,8 @@ class Precision:
         or 8-bit codes of zero with one fp32 absmax per 256-element block, (exp_avg's, exp_avg_sq's)."""
         if self.state_dtype != 'int8':
             return (*(torch.zeros(n, dtype=self.state_torch_dtype, device=device) for _ in range(2)), None)
+        if n % 256:  # the one caller pads every shard to the block (self.align); a ragged tail would have no absmax
+            raise ValueError(f"8-bit moments come in blocks of 256 elements: {n} is not a multiple of 256 (pad the shard)")
         # the code of 0 (signed map: 127, unsigned: 0) filled in, not n zeros quantized (~17 bytes an element at once)
         m, v = (torch.full((n,), int(quantize(torch.zeros(256, device='cpu'), signed)[0][0]), dtype=torch.uint8,
                            device=device) for signed in (True, False))

@@ -145,6 +145,21 @@ def test_bench_link_fits_a_ring_exactly():
         assert (bandwidth, latency) == (pytest.approx(0.5e9, rel=1e-9), pytest.approx(300e-6, rel=1e-9))
 
 
+def _time_collectives_rank(rank, world_size, init_file):
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=world_size)
+    for numel in bench_link.buffer_numels(world_size)[:2]:
+        for kind in bench_link.KINDS:
+            assert bench_link.time_collective(kind, numel, world_size, repeats=1) > 0
+    comm.end_process_group(torch.device('cpu'))
+
+
+def test_bench_link_times_every_collective_at_a_world_size_that_divides_no_power_of_two(tmp_path):
+    """At 3 ranks a 1024-element buffer has no even shard (as before: gloo refused the all-gather): bench.py link
+    times buffers of a multiple of the world size, as zero.py pads every flat buffer to one."""
+    assert bench_link.buffer_numels(3)[:2] == [1023, 4095] and bench_link.buffer_numels(2) == bench_link.SIZES
+    torch.multiprocessing.spawn(_time_collectives_rank, args=(3, str(tmp_path / 'init')), nprocs=3)
+
+
 def test_on_cuda_bench_scale_reads_and_resets_the_gpus_peak_not_the_processes(monkeypatch):
     # bench_scale.peak_bytes / reset_peak on CUDA, torch.cuda stood in for: the allocator's peak of that GPU, and
     # /proc/self/clear_refs (the CPU's reset of VmHWM) left alone

@@ -1376,6 +1376,8 @@ def test_8bit_moments_start_as_the_codes_of_zero_without_quantizing_a_shard_of_z
         expected_codes, expected_absmax = kernels.quantize(torch.zeros(n), signed)
         assert torch.equal(codes, expected_codes) and torch.equal(scale, expected_absmax)
         assert (codes.dtype, scale.dtype) == (torch.uint8, torch.float32)
+    with pytest.raises(ValueError, match="1000 is not a multiple of 256"):  # as quantize refuses one (a view error)
+        precision.zero_moments(1000, torch.device("cpu"))
 
 
 def test_precision_check_names_the_problem_and_the_fix():
