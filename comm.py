@@ -264,7 +264,9 @@ def restart_store():
 # its DeviceMesh, hence the group: sharding propagation's (one of them in C++), redistribution's plans and transforms,
 # the mesh's topology (clip_grad_norm_ and full_tensor fill the last two), and the sharded module sits in reference
 # cycles. So the end empties those caches and collects the cycles (let_go_of_dtensor_caches), once the caller has let
-# go of its engines: bench.py zero drops them first; train.py's are gone when main returns, before shutdown.
+# go of its engines: bench.py zero drops them first; train.py's are gone when main returns, before shutdown. Under
+# torch 2.11 (the GPU machines' torch) a cache we cannot reach by name keeps the mesh even so, from fully_shard on;
+# a mesh holds its process groups in its `_pg_registry`, so the end empties that of every mesh still alive.
 
 
 # torch's caches that keep a DeviceMesh (so its process group) after the DTensors that used it are gone; private
@@ -276,7 +278,8 @@ DTENSOR_CACHES = (('torch.distributed.tensor.debug', '_clear_sharding_prop_cache
 
 
 def let_go_of_dtensor_caches():
-    """Empty DTENSOR_CACHES and collect the cycles a sharded module leaves, if DTensor ran: [Note: the end of a run]."""
+    """Empty DTENSOR_CACHES, collect the cycles a sharded module leaves and empty the process groups of the meshes still
+    alive, if DTensor ran: [Note: the end of a run]."""
     if 'torch.distributed.tensor' not in sys.modules:
         return
     for module, path in DTENSOR_CACHES:
@@ -289,6 +292,9 @@ def let_go_of_dtensor_caches():
         if clear is not None:
             clear()
     gc.collect()
+    DeviceMesh = getattr(sys.modules.get('torch.distributed.device_mesh'), 'DeviceMesh', None)
+    for mesh in (obj for obj in gc.get_objects() if DeviceMesh is not None and isinstance(obj, DeviceMesh)):
+        getattr(mesh, '_pg_registry', {}).clear()  # (torch 2.11: nothing else lets go of the mesh)
 
 
 def end_process_group(device, *held, timeout=10.0):
