@@ -6,8 +6,9 @@ Checkpoints that survive anything (checkpoint.py, train.py's resume, sample.py),
 Two ways to run ranks:
 - train.py under torchrun, for what a user does: resume at another world size and stage, a rank SIGKILLed in
   the middle of training or of a checkpoint write (torchrun --max-restarts), the one-line errors, consolidate,
-  sample.py. The loss train.py logs is rank 0's own mean, which is not comparable across world sizes, so these
-  tests compute each iteration's global loss from the checkpoints (the loss a 1-rank run would log).
+  sample.py. The loss train.py logs is printed to 4 decimals, so these tests compute each iteration's global loss
+  from the checkpoints (the loss a 1-rank run would log; test_train_py_logs_each_iterations_global_loss_... holds
+  that the logged one is that mean over all ranks).
 - One spawn of 4 gloo ranks that trains with train.py's own pieces (zero_config, train_batches, train_step,
   get_lr) on process groups of the first 1, 2, 3 or 4 ranks, so that a checkpoint saved by 4 ranks at stage 3
   is resumed by 1 rank at stage 1 in the same spawn. The comparisons are test_zero's (assert_same_run).
@@ -498,6 +499,20 @@ def test_train_py_resumes_with_3_ranks_at_stage_3_within_5e_4_of_the_straight_ru
     assert_same_run(*runs, **ORACLE)
 
 
+def test_train_py_logs_each_iterations_global_loss_and_the_lr_it_stepped_with():
+    """The in-process runs above train with their own copy of train.py's loop; this holds main()'s: the loss logged
+    at iteration i+1 is the mean over every rank's micro-batches of iteration i (global_loss, from ckpt-i: what one
+    rank would log), and the lr is get_lr(i), the schedule's value for the step it took (warmup: it moves every
+    iteration). A loss summed over the ranks, or a step at get_lr(i + 1), reads as a plausible log line."""
+    out_dir, log = straight_run()
+    cfg = resume.read_manifest(ckpt(out_dir, 10))['config']
+    for it in range(6, 10):
+        line = next(line for line in log.splitlines() if line.startswith(f'iter {it + 1}: loss '))
+        logged, lr = float(line.split('loss ')[1].split(',')[0]), line.split(', lr ')[1].split(',')[0]
+        assert abs(logged - global_loss(ckpt(out_dir, it), it)) < 1e-4, (line, global_loss(ckpt(out_dir, it), it))
+        assert lr == f"{train.get_lr(it, cfg):.2e}", line
+
+
 def test_a_refusal_outlives_torchruns_restarts_and_the_other_runs_checkpoints_stay():
     """[Note: a restart of this job]: a first attempt that stopped on another run's checkpoints (from scratch, or
     nothing left to train), then torchrun --max-restarts: before, the restart resumed that run's newest checkpoint,
@@ -615,6 +630,16 @@ def test_sample_py_builds_the_model_on_the_cpu_whatever_the_default_device(tmp_p
         model, info = sample.load_model(str(tmp_path / 'model.pt'))
     assert info['iter_num'] == 10 and {p.device.type for p in model.parameters()} == {'cpu'}
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
+
+
+def test_sample_py_samples_with_dropout_off(tmp_path):
+    # a model trained with dropout keeps it in its model_args: sample.py's model is in eval mode, or every token it
+    # draws would go through dropout's masks
+    args = dict(n_layer=1, n_head=1, n_embd=8, block_size=16, vocab_size=128, bias=False, dropout=0.2)
+    torch.save({'model': GPT(GPTConfig(**args)).state_dict(), 'model_args': args, 'iter_num': 0, 'best_val_loss': 9.9,
+                'config': {'dataset': 'shakespeare_char'}, 'stage': 0, 'world_size': 1}, tmp_path / 'model.pt')
+    model, info = sample.load_model(str(tmp_path / 'model.pt'))
+    assert info['model_args']['dropout'] == 0.2 and not any(m.training for m in model.modules())
 
 
 @pytest.mark.parametrize('args, message', [
@@ -1073,6 +1098,41 @@ def test_eval_only_evaluates_a_checkpoint_saved_between_evaluations_and_writes_n
     assert sorted(os.listdir(out_dir)) == saved
 
 
+def test_a_resumed_run_keeps_the_best_val_loss_it_resumed_with_and_no_run_saves_before_its_first_step(tmp_path):
+    """best_val_loss rides in the manifest: a resumed run compares its evals with the saved run's best (and saves
+    only what beats it, unless always_save_checkpoint), and writes that best into its own manifests, which
+    consolidate.py and sample.py show. Here ckpt-2's best is set to 0.5, below any loss the model reaches: the resumed
+    run's ckpt-3 still says 0.5 (a best reset to 1e9 at resume would say iteration 3's val loss), and a run without
+    always_save_checkpoint saves nothing new. And iteration 0 (the untrained model, whose first eval always
+    'improves') is never saved."""
+    out_dir = str(tmp_path / 'out')
+    run = [sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *SMALL, '--eval_interval=1',
+           f'--out_dir={out_dir}', '--keep_last=10']
+    subprocess.run(run + ['--max_iters=2', '--always_save_checkpoint=True'], check=True, capture_output=True, timeout=120)
+    assert sorted(os.listdir(out_dir)) == ['.job', '.lock', 'ckpt-00000001', 'ckpt-00000002']
+    where = os.path.join(ckpt(out_dir, 2), 'manifest.json')
+    manifest = json.load(open(where))
+    assert 1 < manifest['best_val_loss'] < 9
+    json.dump({**manifest, 'best_val_loss': 0.5}, open(where, 'w'))
+    subprocess.run(run + ['--max_iters=3', '--init_from=resume', '--always_save_checkpoint=True'], check=True,
+                   capture_output=True, timeout=120)
+    assert resume.read_manifest(ckpt(out_dir, 3))['best_val_loss'] == 0.5
+    subprocess.run(run + ['--max_iters=5', '--init_from=resume'], check=True, capture_output=True, timeout=120)
+    assert resume.latest(out_dir) == ckpt(out_dir, 3)  # no val loss beat 0.5: nothing saved
+
+
+def test_eval_only_leaves_the_training_jobs_mark_on_out_dir_alone(tmp_path):
+    # [Note: a restart of this job] eval_only holds no claim on out_dir: it may run beside the job training there, and
+    # rewriting out_dir/.job with its own id would make that job's next torchrun restart refuse as a new run would
+    out_dir = tmp_path / 'out'
+    out_dir.mkdir()
+    (out_dir / '.job').write_text('the training job')
+    r = subprocess.run([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *SMALL, f'--out_dir={out_dir}',
+                        '--eval_only=True'], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and 'step 0: train loss' in r.stdout, r.stderr[-2000:]
+    assert sorted(os.listdir(out_dir)) == ['.job'] and (out_dir / '.job').read_text() == 'the training job'
+
+
 def test_a_resumed_run_says_what_it_converts_and_which_batches_change():
     """checkpoint.resume_notes, printed by load: a changed storage precision is converted (the values exact where the
     new form holds every bit, else rounded once; test_precision.py resumes every mode at its own precision), and a
@@ -1086,6 +1146,58 @@ def test_a_resumed_run_says_what_it_converts_and_which_batches_change():
         "float32 params; now Precision(master_weights='fp32', state_dtype='int8', stochastic_rounding=False) with "
         "bfloat16 params: converted",
         "note: seed 1337 -> 7, batch_size 2 -> 3: the batches from here on are not those the saved run would have drawn"]
+
+
+@pytest.mark.parametrize('key, old, new', [('gradient_accumulation_steps', 4, 8), ('batch_size', 2, 3), ('seed', 1337, 7),
+                                           ('dataset', 'shakespeare_char', 'shakespeare')])
+def test_a_resumed_run_names_each_key_that_changes_its_batches(key, old, new):
+    # each of checkpoint.DATA_KEYS alone (the test above changes two at once)
+    _, d = job('stage 3 on 2 -> stage 1 on 3')
+    manifest = resume.read_manifest(ckpt(d + '/saved', 2))
+    assert manifest['config'][key] == old
+    assert checkpoint.resume_notes(manifest, train.zero_config(manifest['config']), {**manifest['config'], key: new}) == [
+        f"note: {key} {old!r} -> {new!r}: the batches from here on are not those the saved run would have drawn"]
+
+
+@pytest.mark.parametrize('key, new', [('n_head', 4), ('n_embd', 64), ('block_size', 32), ('bias', True),
+                                      ('vocab_size', 192), ('n_layer', 3)])
+def test_a_checkpoint_of_a_model_of_another_shape_is_refused_naming_the_key(key, new):
+    # every shape the params take from the config: a resume at another block_size (or vocab) would read each param's
+    # range from the old layout, running past wpe into the next param's values, or fail deep in the load
+    _, d = job('stage 3 on 2 -> stage 1 on 3')
+    cfg = {**CFG, 'out_dir': d + '/saved', 'init_from': 'resume', 'max_iters': 1000}
+    args = {**train.model_args(cfg, 128), key: new}
+    old = resume.read_manifest(ckpt(d + '/saved', 2))['model_args'][key]
+    with pytest.raises(ValueError, match=re.escape(f"manifest.json was saved by another model: {key}={old} (the config "
+                                                   f"says {new}); resume with the same model")):
+        resume.find_resume(cfg, args)
+    assert resume.find_resume(cfg, {**args, key: old, 'dropout': 0.1})[0] == ckpt(d + '/saved', 2)  # dropout may change
+
+
+def _load_step_count_on(rank, init_file, path, said):
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=1)
+    counts = []
+    for stage in (0, 1, 3):
+        engine = build({**CFG, 'zero_stage': stage}, None)
+        checkpoint.load(engine, path, resume.read_manifest(path), log=QUIET)
+        counts.append(checkpoint.step_count(engine))
+    json.dump(counts, open(said, 'w'))
+    comm.end_process_group(CPU)
+
+
+def test_adams_step_count_is_resumed_from_the_manifest_not_the_iteration(tmp_path):
+    """The step count sets Adam's bias correction (and seeds stochastic rounding); an fp16 step skipped for an inf
+    grad is an iteration without a step, so after one the two differ. Here ckpt-2's manifest says 1 step (one
+    skipped): stage 0 (torch AdamW's state), 1 and 3 each resume at step 1, where the iteration would say 2."""
+    _, d = job('stage 3 on 2 -> stage 1 on 3')
+    path = ckpt(str(tmp_path), 2)
+    shutil.copytree(ckpt(d + '/saved', 2), path)
+    manifest = json.load(open(os.path.join(path, 'manifest.json')))
+    assert (manifest['iter_num'], manifest['step_count']) == (2, 2)
+    json.dump({**manifest, 'step_count': 1}, open(os.path.join(path, 'manifest.json'), 'w'))
+    mp.spawn(_load_step_count_on, args=(str(tmp_path / 'init'), path, str(tmp_path / 'said')), nprocs=1)
+    assert json.load(open(tmp_path / 'said')) == [1, 1, 1]
+
 
 def test_with_dropout_a_resumed_run_draws_the_masks_the_straight_run_drew(tmp_path):
     """torch's generator is seeded from (seed, iteration, rank) at each step (train.train_batches), so with dropout a

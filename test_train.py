@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -42,6 +43,36 @@ def test_config_file_and_override_are_applied_and_type_checked(tmp_path):
         cfg_file.write_text(line + "\n")
         with pytest.raises(ValueError, match=re.escape(message)):
             train.parse_config([str(cfg_file)])
+
+
+def test_a_bool_is_refused_where_an_int_or_a_float_is_expected(tmp_path):
+    # typed() compares types exactly: True is an int to isinstance, and --max_iters=True would train 1 iteration,
+    # --learning_rate=True at lr 1.0, without a word
+    for arg, message in (('--max_iters=True', 'max_iters takes an int'), ('--n_layer=False', 'n_layer takes an int'),
+                         ('--learning_rate=True', 'learning_rate takes a float'), ('--zero_stage=True', "an int or 'auto'")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            train.parse_config([arg])
+    cfg_file = tmp_path / 'c.py'
+    cfg_file.write_text("eval_iters = True\n")
+    with pytest.raises(ValueError, match=re.escape(f"eval_iters = True in {cfg_file}: eval_iters takes an int")):
+        train.parse_config([str(cfg_file)])
+
+
+FLOORS = {**{k: 1 for k in ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'gradient_accumulation_steps',
+                            'eval_iters', 'eval_interval', 'log_interval', 'keep_last')},
+          **{k: 0 for k in ('max_iters', 'warmup_iters', 'lr_decay_iters', 'learning_rate', 'min_lr', 'weight_decay',
+                            'grad_clip', 'memory_gb', 'seed')}}
+
+
+@pytest.mark.parametrize('key', list(FLOORS))
+def test_every_count_and_rate_below_its_floor_is_refused(key):
+    # written out here, not read from train.AT_LEAST_*: a key dropped from those lists would drop its check and the
+    # test with it (a negative min_lr trains the end of the run uphill; a negative warmup_iters runs without a word)
+    cfg = train.parse_config(['--device=cpu', '--n_head=1'])
+    below = FLOORS[key] - (1 if isinstance(cfg[key], int) else 0.5)
+    with pytest.raises(ValueError, match=re.escape(f"{key}={below}: use at least {FLOORS[key]}")):
+        train.check_config({**cfg, key: below}, world_size=1)
+    train.check_config({**cfg, key: type(cfg[key])(FLOORS[key]) if key != 'n_embd' else 1}, world_size=1)
 
 
 def test_unknown_config_key_is_an_error_naming_the_closest_keys(tmp_path):
@@ -201,6 +232,13 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
     assert lrs[0] < lrs[9] < lrs[10] == pytest.approx(1.0, abs=0.01)
     assert lrs[55] == pytest.approx(0.55, abs=0.01) and lrs[100] == pytest.approx(0.1) and lrs[119] == 0.1
 
+
+def test_decay_lr_false_keeps_the_learning_rate_constant_from_the_first_iteration():
+    # no warmup and no decay: the config's learning_rate at every iteration (test_gpu.py's constant-lr runs, on a GPU only)
+    cfg = dict(decay_lr=False, learning_rate=1.0, warmup_iters=10, lr_decay_iters=100, min_lr=0.1)
+    assert {train.get_lr(it, cfg) for it in (0, 5, 10, 55, 100, 119)} == {1.0}
+
+
 # -----------------------------------------------------------------------------
 # the data
 
@@ -217,6 +255,50 @@ def test_prepare_tokenizes_a_users_text_with_gpt2_bpe(tmp_path):
     assert len(train_ids) == meta['train_tokens'] and len(val_ids) == meta['val_tokens'] > 0
     assert 8 * len(val_ids) < len(train_ids) < 10 * len(val_ids)  # a 90/10 split
     assert enc.decode(train_ids[:14].tolist()) == 'To be, or not to be, that is the question.\n'
+
+
+def test_every_window_drawn_lies_inside_the_data():
+    # a window of block_size tokens and its next token: the last start is len(data) - block_size - 1. A split of
+    # block_size + 1 tokens has one window; one start further, y would be a token short (torch.stack fails, rarely)
+    cfg = dict(batch_size=50, block_size=16)
+    data = np.arange(17, dtype=np.uint16)
+    starts = train.draw(data, [1337, 0, 0], 4, cfg)
+    assert starts.shape == (4, 50) and set(starts.flatten().tolist()) == {0}
+    starts = train.draw(np.arange(20, dtype=np.uint16), [1337, 0, 0], 4, cfg)
+    assert set(starts.flatten().tolist()) == {0, 1, 2, 3}  # every start, none past the last
+    for rows in starts:
+        x, y = train.windows(np.arange(20, dtype=np.uint16), rows, 16, torch.device('cpu'))
+        assert x.shape == y.shape == (50, 16) and torch.equal(y[:, :-1], x[:, 1:])
+
+
+def test_each_iteration_and_rank_seeds_torchs_generator_its_own_way():
+    """train_batches seeds torch's generator (dropout's masks) from (seed, iteration, rank): a resumed run draws the
+    straight run's masks, and no two iterations or ranks draw the same ones (a seed without the iteration would apply
+    one mask at every step; without the rank, one mask on every rank)."""
+    cfg = dict(seed=1337, batch_size=2, block_size=8, gradient_accumulation_steps=4)
+    data = np.arange(100, dtype=np.uint16)
+    seeds = {}
+    for it in range(3):
+        for rank in range(2):
+            train.train_batches(data, it, cfg, rank, 2, torch.device('cpu'))
+            seeds[it, rank] = torch.initial_seed()
+    assert len(set(seeds.values())) == 6
+    train.train_batches(data, 1, cfg, 1, 2, torch.device('cpu'))
+    assert torch.initial_seed() == seeds[1, 1]  # a function of (seed, iteration, rank) alone
+    train.train_batches(data, 1, {**cfg, 'seed': 7}, 1, 2, torch.device('cpu'))
+    assert torch.initial_seed() != seeds[1, 1]
+
+
+def test_evaluate_puts_the_model_back_in_training_mode():
+    # evaluate() switches dropout off for its forwards; the training after it must have it back (a model left in eval
+    # mode trains without dropout from the first eval on, in the straight run and a resumed one alike)
+    from model import GPT, GPTConfig
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64, dropout=0.1))
+    data = np.arange(64, dtype=np.uint16)
+    eval_sets = {s: [train.windows(data, [0, 3], 8, torch.device('cpu'))] * 2 for s in ('train', 'val')}
+    model.train()
+    losses = train.evaluate(types.SimpleNamespace(module=model), eval_sets, contextlib.nullcontext(), 0, 1)
+    assert set(losses) == {'train', 'val'} and all(m.training for m in model.modules())
 
 
 def test_on_cuda_a_batch_is_pinned_then_copied_without_blocking_and_y_is_x_one_token_on(monkeypatch):
