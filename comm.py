@@ -65,6 +65,30 @@ def traced(name):
 # and stage 3 opens ~76 a micro-step with GPT-2 (a gather, its wait, a reduce-scatter, its wait per unit): on an
 # H200 the compiled step is host-bound (README, "Measured: speed"), so they open only under a profiler.
 
+def start_profiler(out_dir, rank, device):
+    """train.py's profile=True: a torch.profiler trace of the run's iterations 2-4 (iteration 1 warms the profiler up),
+    with the named ranges of our collectives and their waits (traced) to see the overlap."""
+    os.makedirs(out_dir, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == 'cuda' else [])
+    path = os.path.join(out_dir, f'trace_rank{rank}.json')
+    # repeat=1: one wait/warmup/active cycle; without it the schedule cycles until the end of the run
+    profiler = torch.profiler.profile(activities=activities, on_trace_ready=lambda p: p.export_chrome_trace(path),
+                                      schedule=torch.profiler.schedule(wait=0, warmup=1, active=3, repeat=1))
+    profiler.start()
+    return profiler
+
+
+def profiler_step(profiler, out_dir, log):
+    """After each iteration. The trace's ProfilerStep#1-#3 are iterations 2-4; after the 4th the trace is written and
+    the profiler stopped (None is returned), so nothing profiles or slows the rest of the run."""
+    profiler.step()
+    if profiler.step_num < 4:
+        return profiler
+    profiler.stop()
+    log(f"profiler trace of iterations 2-4: {out_dir}/trace_rank{{r}}.json (open in https://ui.perfetto.dev)")
+    return None
+
+
 # -----------------------------------------------------------------------------
 # The collectives, counted
 

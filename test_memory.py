@@ -498,17 +498,17 @@ def test_profile_traces_iterations_2_to_4_with_our_named_ranges_and_stops_after_
 def test_the_profiler_is_stopped_after_the_fourth_iteration(tmp_path):
     # a torch.profiler.schedule without repeat=1 cycles wait/warmup/active to the end of the run (measured on an H100:
     # the whole run 2.6x slower, the trace its last partial cycle)
-    profiler = train.start_profiler({'profile': True, 'out_dir': str(tmp_path)}, 0, torch.device('cpu'))
+    profiler = comm.start_profiler(str(tmp_path), 0, torch.device('cpu'))
     running = []
     for iteration in range(1, 8):
         torch.ones(8).sum()
         if profiler:  # as train.py's loop
-            profiler = train.profiler_step(profiler, {'out_dir': str(tmp_path)}, log=lambda *a: None)
+            profiler = comm.profiler_step(profiler, str(tmp_path), log=lambda *a: None)
         running.append(profiler is not None and torch.autograd._profiler_enabled())
     assert running == [True, True, True, False, False, False, False] and (tmp_path / 'trace_rank0.json').exists()
 
 def test_on_cuda_the_profiler_records_the_gpus_kernels_too(monkeypatch, tmp_path):
-    # train.start_profiler's CUDA branch, torch.profiler.profile stood in for: a GPU run's trace has the kernels
+    # comm.start_profiler's CUDA branch, torch.profiler.profile stood in for: a GPU run's trace has the kernels
     # (test_gpu.py's test_profile_traces_cuda_kernels... reads a real one), a CPU run's asks for no CUDA activity
     asked = []
 
@@ -519,9 +519,8 @@ def test_on_cuda_the_profiler_records_the_gpus_kernels_too(monkeypatch, tmp_path
         def start(self):
             pass
     monkeypatch.setattr(torch.profiler, 'profile', Profile)
-    cfg = {'profile': True, 'out_dir': str(tmp_path)}
     for device in (torch.device('cuda', 1), torch.device('cpu')):
-        train.start_profiler(cfg, 0, device)
+        comm.start_profiler(str(tmp_path), 0, device)
     activity = torch.profiler.ProfilerActivity
     assert asked == [[activity.CPU, activity.CUDA], [activity.CPU]]
 

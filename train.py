@@ -379,7 +379,7 @@ def main(cfg):
         log(f"warning: {warning}")
     if cfg['compile']:
         log("compiling with torch.compile: the first iterations include the compilation")
-    profiler = start_profiler(cfg, rank, device)
+    profiler = comm.start_profiler(cfg['out_dir'], rank, device) if cfg['profile'] else None
     peak = peak_flops(device)
     t0, skipped = time.time(), 0  # skipped: steps in a row with a non-finite grad norm
     while True:
@@ -400,7 +400,7 @@ def main(cfg):
         skipped = 0 if math.isfinite(grad_norm) else skipped + 1  # the same norm on every rank: all stop together
         checkpoint.fault_point('step', iter_num)
         if profiler:
-            profiler = profiler_step(profiler, cfg, log)
+            profiler = comm.profiler_step(profiler, cfg['out_dir'], log)
         if iter_num % cfg['log_interval'] == 0:
             dist.all_reduce(loss)  # every rank: the mean over all ranks' micro-batches, whatever the world size
             loss /= world_size
@@ -423,32 +423,6 @@ def main(cfg):
     if profiler:  # a run of fewer than 4 iterations
         profiler.stop()
     comm.end_process_group(device)  # every rank done; [Note: the end of a run]
-
-
-def start_profiler(cfg, rank, device):
-    """profile=True: a torch.profiler trace of this run's iterations 2-4 (iteration 1 warms the profiler up), with
-    zero.py's named ranges (reduce_scatter bucket i, all_gather unit i, and the waits on them) to see the overlap."""
-    if not cfg['profile']:
-        return None
-    os.makedirs(cfg['out_dir'], exist_ok=True)
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == 'cuda' else [])
-    path = os.path.join(cfg['out_dir'], f'trace_rank{rank}.json')
-    # repeat=1: one wait/warmup/active cycle; without it the schedule cycles until the end of the run
-    profiler = torch.profiler.profile(activities=activities, on_trace_ready=lambda p: p.export_chrome_trace(path),
-                                      schedule=torch.profiler.schedule(wait=0, warmup=1, active=3, repeat=1))
-    profiler.start()
-    return profiler
-
-
-def profiler_step(profiler, cfg, log):
-    """After each iteration. The trace's ProfilerStep#1-#3 are iterations 2-4; after the 4th the trace is written and
-    the profiler stopped (None is returned), so nothing profiles or slows the rest of the run."""
-    profiler.step()
-    if profiler.step_num < 4:
-        return profiler
-    profiler.stop()
-    log(f"profiler trace of iterations 2-4: {cfg['out_dir']}/trace_rank{{r}}.json (open in https://ui.perfetto.dev)")
-    return None
 
 
 if __name__ == '__main__':
