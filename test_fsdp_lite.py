@@ -217,6 +217,23 @@ def test_zero3_prefetch_launches_the_next_units_all_gathers_before_computing_and
                 assert ('gather', ahead) in events[start[phase]:wait], (phase, unit, ahead)
 
 
+@pytest.mark.parametrize('prefetch', [1, 2])
+def test_zero3_the_roots_forward_prefetches_the_first_blocks_before_it_computes(prefetch):
+    """The root's forward pre-hook launches the first d block units' all-gathers (d = prefetch) before its own wait and
+    the embedding: the first block's gather runs under the root's work instead of being launched at its own forward,
+    behind the second's on the link, and waited at once. Every micro-step: the root stays gathered through a step, its
+    pre-hook still prefetches."""
+    events = get(2, kind='zero3', accum=4, prefetch=prefetch, trace=True)['events']  # the last step's 2 micro-steps
+    root = TINY['n_layer']
+    order = [i for e, i in events if e == 'forward' and i != root][:TINY['n_layer']]
+    starts = [j for j, event in enumerate(events) if event == ('forward', root)]
+    assert len(starts) == 2, events
+    for start in starts:  # this micro-step's forward gathers: after the last backward event before it
+        begin = max((j for j in range(start) if events[j][0] == 'backward'), default=-1) + 1
+        for unit in order[:prefetch]:
+            assert ('gather', unit) in events[begin:start], (prefetch, unit, events[begin:start])
+
+
 @pytest.mark.parametrize('world_size', [2, 3])
 def test_zero3_really_frees_unsharded_params(world_size):
     """The storage, not just the state: at most prefetch + 1 block units hold their unsharded bytes at any

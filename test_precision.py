@@ -13,8 +13,10 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import model
+import zero
 from kernels import Precision
 from test_zero import ON_CPU, TorchEngine, assert_same_run, run_ranks, tiny_model
 
@@ -118,11 +120,11 @@ def test_a_checkpoint_carries_each_modes_state_exactly(mode):
     assert_same_run(resumed, straight, rtol=0, atol=0)
 
 
-JOBS.update({f'fp16 overflow, stage {stage}': [dict(kind=f'zero{stage}', param_dtype=torch.float16, accum=4, steps=5,
-                                                     inf_at=2)] for stage in (1, 2, 3)})
+JOBS.update({f'fp16 overflow, stage {stage}': [dict(kind=f'zero{stage}' if stage else 'ddp', param_dtype=torch.float16,
+                                                     accum=4, steps=5, inf_at=2)] for stage in (0, 1, 2, 3)})
 
 
-@pytest.mark.parametrize('stage', [1, 2, 3])
+@pytest.mark.parametrize('stage', [0, 1, 2, 3])  # stage 0: torch's GradScaler, updated after a skipped step too
 def test_fp16_overflow_on_one_rank_skips_that_step_everywhere_and_halves_the_scale(stage):
     # inside the ranks: masters, moments and step count unchanged on every rank by the step with the inf
     r = results(f'fp16 overflow, stage {stage}')[0]
@@ -144,6 +146,45 @@ def test_fp16_loss_scale_doubles_after_growth_interval_clean_steps_and_counts_ag
     assert not isinstance(r, Exception), r
     # clean, clean (x2), clean, inf (/2, the count restarts), clean, clean (x2)
     assert r['scales'] == [2.0**16, 2.0**17, 2.0**17, 2.0**16, 2.0**16, 2.0**17]
+
+
+def test_the_loss_scale_doubles_after_every_growth_interval_clean_steps_and_halves_at_every_overflow():
+    """zero.LossScaler [Note: dynamic loss scaling]: each doubling starts a new count of clean steps, so a run that
+    never overflows doubles its scale every growth_interval steps (torch's GradScaler too), not once; an overflow halves
+    it and restarts the count. Disabled (fp32, bf16) it stays 1 whatever happens."""
+    scaler, seen = zero.LossScaler(enabled=True, growth_interval=2), []
+    for finite in [True] * 6 + [False, False] + [True] * 3:
+        scaler.update(finite)
+        seen.append(math.log2(scaler.scale))
+    assert seen == [16, 17, 17, 18, 18, 19, 18, 17, 17, 18, 18], seen
+    off = zero.LossScaler(enabled=False, growth_interval=2)
+    for finite in (True, True, False, True, True):
+        off.update(finite)
+    assert off.scale == 1.0
+
+
+def test_fp16_moments_hold_the_unscaled_grads_at_every_stage():
+    """The fused step divides the loss scale out of the grads (its grad_scale = clip / scale) before they reach Adam's
+    moments: after an fp16 step, exp_avg and exp_avg_sq are those of an fp32 step from the same weights, within fp16
+    noise (9e-4 relative measured), not 2^16 and 2^32 times them. (Adam's update would hide a scale left in: m / sqrt(v)
+    does not see it; the eps, a scale that changes mid-run and a checkpoint resumed in bf16 do.) Rank 0 of 2 under the
+    fake process group."""
+    dist.init_process_group('fake', rank=0, world_size=2, store=FakeStore())
+    try:
+        x = torch.randint(97, (2, 16), generator=torch.Generator().manual_seed(0))
+        for stage in (1, 2, 3):
+            moments = {}
+            for dtype in (torch.float32, torch.float16):
+                net = tiny_model(0)
+                engine = zero.build_engine(net, zero.ZeroConfig(stage=stage, param_dtype=dtype, grad_clip=1.0),
+                                           units=list(net.transformer.h), device=torch.device('cpu'))
+                engine.backward(net(x, x)[1])
+                assert math.isfinite(engine.step(1e-3))
+                moments[dtype] = engine.exp_avg.clone(), engine.exp_avg_sq.clone()
+            for fp32, fp16 in zip(moments[torch.float32], moments[torch.float16]):
+                assert (fp16 - fp32).norm() <= 1e-2 * fp32.norm(), (stage, (fp16.norm() / fp32.norm()).item())
+    finally:
+        dist.destroy_process_group()
 
 
 JOBS['fp16 vs fp32'] = [dict(kind='zero2', accum=4, steps=5, **extra) for extra in ({}, {'param_dtype': torch.float16})]
@@ -214,6 +255,22 @@ def test_bf16_reductions_round_each_grad_once_and_average_the_ranks_in_bf16():
             assert max((r['params'][n] - fp32['params'][n]).abs().max() for n in fp32['params']) > 1e-3, stage
             assert r['comm_bytes']['reduce_scatter'] == 2 * r['comm']['reduce_scatter'], stage  # sent: 2 bytes each
         assert stages[0]['populations']['grads'][0] == torch.bfloat16
+
+
+ROUNDED = dict(param_dtype=torch.bfloat16, accum=2, steps=5, grad_clip=0.0, precision=MODES['stochastic rounding'])
+JOBS['stochastic rounding at 2 ranks'] = [dict(kind=f'zero{stage}', **ROUNDED) for stage in (1, 2)]
+
+
+def test_stochastic_rounding_draws_by_the_elements_place_in_the_model_so_1_and_2_ranks_train_alike():
+    """Each update is rounded from a hash of (seed, step, element), the element's index in the model's flat layout,
+    not in this rank's shard: rank 1 does not reuse rank 0's random numbers, and a run at 2 ranks is the run at 1 bit
+    for bit. TINY is one bucket at either size (so the same layout); the same micro-batches, grads averaged exactly
+    (a sum halved), no clipping (the norm's summation order would move the clip's last bit): nothing else differs."""
+    alone = run_ranks(1, JOBS['stochastic rounding at 2 ranks'])
+    for stage, one, two in zip((1, 2), alone, results('stochastic rounding at 2 ranks')):
+        assert not isinstance(one, Exception) and not isinstance(two, Exception), (stage, one, two)
+        assert one['n_buckets'] == two['n_buckets'] == 1
+        assert_same_run(two, one, rtol=0, atol=0)
 
 
 TIE = 1 + 2**-8  # every param at a tie between two bf16

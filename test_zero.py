@@ -155,7 +155,7 @@ def full_params(engine, model):
 
 def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume_at=None, model_kw=None,
             frozen_and_unused=False, mismatch=False, meta=False, compile=False, trace=False, inf_at=None, init_value=None,
-            growth_interval=None, checkpointing=False, default_device=None, **zero_kw):
+            growth_interval=None, checkpointing=False, default_device=None, init_by_rank=False, **zero_kw):
     """Train TINY for `steps` steps; accum is the global number of micro-batches per step. Returns dict(losses, norms,
     params, engine info) as seen by this rank. resume_at: save a checkpoint there and continue from it in a new model
     and engine (meta=True: built on the meta device, as train.py does). compile: torch.compile as train.py does
@@ -164,12 +164,17 @@ def run_job(rank, world_size, kind, accum=2, grad_clip=0.05, steps=STEPS, resume
     checks the step was skipped; init_value: every param starts at it (stages 1/2 return the distinct values of the
     compute params then); growth_interval: fp16's loss scale doubles after this many clean steps (2000 in train.py);
     default_device: the engine is built and every step taken under `with torch.device(default_device)` (the model,
-    the batches and the checks are made outside it)."""
+    the batches and the checks are made outside it); init_by_rank: rank r's model starts with every value + r (a model
+    built on each rank with its own seed): the engine must start from rank 0's, as DDP does."""
     model = tiny_model(rank, model_kw, frozen_and_unused, mismatch, meta)
     around = (lambda: torch.device(default_device)) if default_device else nullcontext
     if init_value is not None:
         for p in model.parameters():
             torch.nn.init.constant_(p, init_value)
+    if init_by_rank:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(rank)
     with around():
         engine = make_engine(kind, model, grad_clip, **zero_kw)
     check_on_cpu(kind, model)
@@ -672,6 +677,48 @@ def test_counted_communication_is_2psi_for_ddp_and_zero12_and_3psi_for_zero3(wor
     assert kept['comm']['all_gather'] == STEPS * (a * (kept['padded'] - kept['root_padded']) + kept['root_padded'])
 
 
+def test_counted_bytes_are_the_counted_elements_times_the_bytes_of_the_dtype_sent():
+    """zero.Comm counts bytes beside elements (bench.py zero prints them as what each kind sends): an all-reduce moves
+    2n elements of an n-element tensor in the paper's convention, so 2n times its element size, as many bytes as a
+    reduce-scatter and an all-gather of it. fp32 here: 4 bytes an element for every kind, DDP's all-reduce included;
+    bf16 compute: stage 3 all-gathers bf16 params (2 bytes) and reduce-scatters fp32 grads (reduce_dtype)."""
+    for world_size in (2, 3):
+        for kind in ('ddp', 'zero1', 'zero2', 'zero3'):
+            r = get(world_size, kind=kind, accum=2 * world_size)
+            assert r['comm_bytes'] == {k: 4 * n for k, n in r['comm'].items()}, (world_size, kind, r['comm_bytes'])
+    for kind in ('zero2', 'zero3'):
+        r = get(2, kind=kind, accum=4, param_dtype=torch.bfloat16)
+        sizes = dict(all_gather=2, reduce_scatter=4, all_reduce=4)
+        assert r['comm_bytes'] == {k: sizes[k] * n for k, n in r['comm'].items()}, (kind, r['comm_bytes'])
+
+
+def test_stages_1_and_2_launch_each_buckets_reduce_scatter_during_backward_as_soon_as_it_is_filled():
+    """Buckets are cut in reverse registration order, the order backward produces grads, and reduce-scattered strictly
+    in that order: each bucket launches as soon as backward has filled it, overlapping the rest of backward, and (stage 2)
+    no grad waits as p.grad for more than its own bucket. Cut in forward order, the first bucket (the tied embedding,
+    whose grad comes last) holds every launch to the end of backward: the numbers stay right, the overlap is gone, and
+    stage 2 holds every grad of the model at once. Rank 0 of 2 under the fake process group, one backward."""
+    for stage in (1, 2):
+        dist.init_process_group('fake', rank=0, world_size=2, store=FakeStore())
+        try:
+            model, x = tiny_model(0), torch.randint(TINY['vocab_size'], (2, T))
+            engine = make_engine(f'zero{stage}', model, 1.0, bucket_mb=0.001)
+            params = [p for b in engine.buckets for p in b.params]
+            to_come, waiting, reduce_scatter = [], [], engine.comm.reduce_scatter
+
+            def spy(out, inp, **kw):  # at each launch: grads backward has yet to produce; grads held back as p.grad
+                to_come.append(sum(len(b.params) - len(b.ready) for b in engine.buckets))
+                waiting.append(sum(p.grad is not None for p in params))
+                return reduce_scatter(out, inp, **kw)
+            engine.comm.reduce_scatter = spy
+            engine.backward(model(x, x)[1])
+            assert len(to_come) == len(engine.buckets) > 10
+            assert to_come[0] >= 0.9 * len(params) and all(n > 0 for n in to_come[:-1]), (stage, to_come)
+            assert max(waiting) <= max(len(b.params) for b in engine.buckets), (stage, waiting)
+        finally:
+            dist.destroy_process_group()
+
+
 def test_stages_2_and_3_keep_one_bucket_sized_grad_buffer_alive():
     r = get(2, kind='zero2', accum=4, bucket_mb=0.001)
     assert r['n_buckets'] > 10 and r['peak_grad_buffers'] == 1
@@ -715,6 +762,18 @@ def test_frozen_and_unused_params_match_ddp_find_unused_and_do_not_hang():
     assert 'transformer.h.0.attn.c_proj.weight' in ddp['params']  # frozen: kept, never stepped
     for kind in ('zero1', 'zero2', 'zero3'):
         assert_same_run(get(2, kind=kind, accum=4, frozen_and_unused=True), ddp)
+
+
+MORE_JOBS[2] += [dict(kind=k, accum=4, frozen_and_unused=True, init_by_rank=True) for k in ('zero1', 'zero2', 'zero3')]
+
+
+def test_ranks_that_built_their_models_with_other_values_start_from_rank_0s_as_ddp_does():
+    """A model built on the CPU (not meta) on each rank with its own values: every stage starts from rank 0's trainable
+    params (zero.Zero1.pack broadcasts them) and frozen params (broadcast too), as DDP does at construction. Rank 0's
+    values are the plain model's, so the run is DDP's from the plain model."""
+    ddp = get(2, kind='ddp_unused', accum=4, frozen_and_unused=True)
+    for kind in ('zero1', 'zero2', 'zero3'):
+        assert_same_run(get(2, kind=kind, accum=4, frozen_and_unused=True, init_by_rank=True), ddp)
 
 
 def test_ranks_that_built_different_models_fail_fast_instead_of_hanging():
