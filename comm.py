@@ -65,6 +65,7 @@ def traced(name):
 # and stage 3 opens ~76 a micro-step with GPT-2 (a gather, its wait, a reduce-scatter, its wait per unit): on an
 # H200 the compiled step is host-bound (README, "Measured: speed"), so they open only under a profiler.
 
+
 def start_profiler(out_dir, rank, device):
     """train.py's profile=True: a torch.profiler trace of the run's iterations 2-4 (iteration 1 warms the profiler up),
     with the named ranges of our collectives and their waits (traced) to see the overlap."""
