@@ -756,6 +756,23 @@ def test_the_librarys_bf16_cast_is_cast_params_bit_for_bit_on_the_masters_device
                            out=torch.empty(3, device=master.device))
 
 
+@pytest.mark.parametrize("impl", [k for k in KERNELS if k != "cuda-emulated"])
+def test_cast_param_on_the_librarys_path_takes_a_non_contiguous_master_or_out_as_the_torch_ops_do(impl):
+    # the library reads and writes raw pointers, n elements on from each: a strided master (every other element of a
+    # row) or a strided out must take the torch ops, and get the bits the reference writes, nothing else touched
+    master = torch.randn(6, 64, generator=torch.Generator().manual_seed(3)).to(device_of(impl))
+    strided = master[:, ::2]
+    expected = bits(kernels.cast_param(strided.contiguous(), torch.bfloat16))
+    got = kernels.cast_param(strided, torch.bfloat16, impl=impl)
+    assert got.shape == strided.shape and torch.equal(bits(got).reshape(-1), expected.reshape(-1))
+    row = torch.full((2, 6, 32), 7.0, dtype=torch.bfloat16, device=master.device)
+    out = row[1].t()  # non-contiguous, 192 elements
+    contiguous = master[:, :32].t().contiguous()  # (32, 6), as out
+    kernels.cast_param(contiguous, torch.bfloat16, impl=impl, out=out)
+    assert torch.equal(bits(out), bits(kernels.cast_param(contiguous, torch.bfloat16)))
+    assert row[0].eq(7.0).all()
+
+
 def test_every_openmp_if_on_a_simd_loop_names_the_parallel_construct():
     # OpenMP 5.0: an if clause on `parallel for simd` without a modifier applies to the simd too, so below its
     # threshold the loop ran scalar (GCC 12: the cast of a 65,536-element shard took 42 us, 6 us with `if(parallel:`)
@@ -1218,6 +1235,34 @@ def test_cache_path_depends_on_source_flags_and_cache_dir(monkeypatch, tmp_path)
     run = library._run  # another CPU: one more ISA extension among -march=native's macros
     monkeypatch.setattr(library, "_run", lambda *c: run(*c) + ("\n#define __AVX512FP16__ 1" if "-dM" in c else ""))
     assert library.cache_path("cpu") not in (path, other_flags, other_source)
+
+
+def test_cache_path_changes_with_the_compilers_version(monkeypatch, tmp_path):
+    # the same source and flags from another compiler (g++ 12 -> 13, or nvcc 12 -> 13, whose library links another
+    # libcudart) is another binary: it must not load the one the old compiler left in the cache (the compilers are
+    # stood in for: only their --version line changes)
+    monkeypatch.setenv("NANOZERO_CACHE", str(tmp_path))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    cxx = library._compiler("cpu")[0]
+    paths = {}
+    for version in ("12.2.0", "13.1.0"):
+        monkeypatch.setattr(library, "_compiler", lambda impl: (cxx if impl == "cpu" else "/opt/cuda/bin/nvcc", version))
+        paths[version] = library.cache_path("cpu"), library.cache_path("cuda")
+    assert all(a != b for a, b in zip(paths["12.2.0"], paths["13.1.0"])), paths
+
+
+def test_a_cache_dir_that_cannot_be_made_falls_back_to_the_reference_with_one_warning(monkeypatch, tmp_path):
+    # NANOZERO_CACHE under a file (or a read-only home): creating the cache raises an OSError, which the build turns
+    # into its one-line RuntimeError, so 'auto' falls back with one warning and the run trains, where it would have died
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("NANOZERO_CACHE", str(tmp_path / "file" / "cache"))
+    with pytest.raises(RuntimeError, match=r"^cpu build failed: .*file"):
+        library.build("cpu")
+    monkeypatch.setattr(kernels, "_LIBRARIES", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert kernels.resolve_impl("auto", torch.device("cpu")) == "reference"
+    assert len(caught) == 1 and "cpu build failed" in str(caught[0].message)
 
 
 def test_a_build_leaves_out_the_flags_nvcc_takes_from_the_environment(monkeypatch, tmp_path):

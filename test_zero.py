@@ -404,6 +404,40 @@ def test_mfu_is_none_without_a_known_peak():
     assert 0 < model.estimate_mfu(1e5, 1e12) < 1
 
 
+def test_flops_per_token_is_6n_plus_the_attention_term_with_n_the_params_less_the_position_embedding():
+    # MFU's numerator (train.py's log, bench_scale's table): N counts the tied embedding once and leaves out wpe
+    # (nanoGPT's get_num_params), plus 12 * n_layer * n_embd * block_size for the attention scores and values
+    model = GPT(GPTConfig(**TINY))
+    L, C, V, T = TINY['n_layer'], TINY['n_embd'], TINY['vocab_size'], TINY['block_size']
+    per_block = 2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C) + (4 * C * C + C)  # 2 LNs, attn, MLP
+    n = V * C + L * per_block + 2 * C  # wte (= lm_head), the blocks, ln_f
+    assert model.get_num_params() == n and model.get_num_params(non_embedding=False) == n + T * C
+    assert model.flops_per_token() == 6 * n + 12 * L * C * T
+    assert model.estimate_mfu(1e5, 1e12) == pytest.approx((6 * n + 12 * L * C * T) * 1e5 / 1e12, rel=1e-12)
+
+
+def test_generate_conditions_on_the_last_block_size_tokens_and_samples_only_the_top_k():
+    # past block_size the context is cropped to its last block_size tokens (not its first); top_k keeps the k most
+    # likely tokens (not 1, not all): with a fixed seed, generating from a long context equals generating from its
+    # last block_size tokens, every sample lies in the top k of the logits, and 400 samples at init (near-uniform)
+    # take more than one of them
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY)).eval()
+    T = TINY['block_size']
+    idx = torch.randint(97, (4, T + 7))
+    torch.manual_seed(1)
+    long = model.generate(idx, max_new_tokens=5)
+    torch.manual_seed(1)
+    short = model.generate(idx[:, -T:], max_new_tokens=5)
+    assert torch.equal(long[:, -5:], short[:, -5:]) and torch.equal(long[:, :-5], idx)
+    context = idx[:1, -T:].expand(400, T)
+    with torch.no_grad():
+        top = set(torch.topk(model(context[:1])[0][0, -1], 5).indices.tolist())
+    torch.manual_seed(2)
+    drawn = set(model.generate(context, max_new_tokens=1, top_k=5)[:, -1].tolist())
+    assert drawn <= top and len(drawn) > 1, (drawn, top)
+
+
 @pytest.mark.parametrize('name, flops', [('NVIDIA H100 80GB HBM3', 989e12), ('NVIDIA H100 PCIe', 756e12),
                                          ('NVIDIA H100 NVL', 835e12), ('NVIDIA H200', 989e12),
                                          ('NVIDIA A100-SXM4-80GB', 312e12), ('NVIDIA H800', 989e12), ('Tesla T4', None),
@@ -625,6 +659,29 @@ def test_init_param_fills_any_slice_on_the_tensors_device_whatever_the_default_d
                 piece = torch.empty(p.numel() - 3, device='cpu')
                 plain.init_param(name, piece, start=3)
             assert torch.equal(piece, p.detach().reshape(-1)[3:]), (name, default)
+
+
+def test_init_is_gpt2s_normal_with_the_residual_projections_scaled_by_one_over_sqrt_2_n_layer():
+    # [Note: counter-based init] draws its own values, so equality with a plain GPT (the tests above) cannot tell a
+    # wrong distribution: here each >= 2-D param is N(0, 0.02), the residual projections (attn.c_proj and mlp.c_proj)
+    # N(0, 0.02 / sqrt(2 * n_layer)), the LayerNorm gains 1 and the biases 0. Pooled over the ~40k elements of the
+    # tiny model (standardized by their own std), the moments and the normal's 1- and 2-sigma masses hold within ~4
+    # standard errors; one per-param std within 10% (a wrong residual scale is 41% off at 3 layers)
+    model = tiny_model(0)
+    zs = []
+    for name, p in model.named_parameters():
+        p = p.detach().double()
+        if p.dim() == 1:
+            assert torch.equal(p, torch.full_like(p, 0.0 if name.endswith('bias') else 1.0)), name
+            continue
+        std = 0.02 / math.sqrt(2 * TINY['n_layer']) if name.endswith('c_proj.weight') else 0.02
+        assert abs(p.std().item() / std - 1) < 0.1, (name, p.std().item(), std)
+        zs.append(p.reshape(-1) / std)
+    z = torch.cat(zs)
+    assert z.numel() > 30_000
+    assert abs(z.mean().item()) < 0.02 and abs(z.std().item() - 1) < 0.015, (z.mean().item(), z.std().item())
+    within1, within2 = ((z.abs() < k).double().mean().item() for k in (1, 2))
+    assert abs(within1 - 0.6827) < 0.01 and abs(within2 - 0.9545) < 0.005, (within1, within2)
 
 
 MORE_JOBS[2] += [dict(kind=k, accum=4, inf_at=2) for k in ('ddp', 'zero1', 'zero2', 'zero3')]
