@@ -68,6 +68,7 @@ def step(engine, batch=2, seed=0):
     x, y = (torch.randint(cfg.vocab_size, (batch, cfg.block_size), generator=gen) for _ in range(2))
     train.train_step(engine, [(x, y)], 1e-3, nullcontext())
 
+
 # -----------------------------------------------------------------------------
 # arithmetic
 
@@ -324,6 +325,35 @@ def test_a_compute_free_step_takes_the_alpha_beta_time_exactly(fake_world, stage
     assert sum(engine.comm.link.busy.values()) == pytest.approx(expected, rel=1e-9)
 
 
+@pytest.mark.parametrize('stage', [1, 2, 3])
+def test_a_compute_free_bf16_step_times_each_collective_at_its_own_dtypes_bytes(fake_world, stage):
+    """As the fp32 test above, with bf16 params and fp32 reductions: an all-gather moves 2 bytes an element, a
+    reduce-scatter 4, the grad norm's all-reduce one fp32. A link that timed every element as 4 bytes would put
+    bench.py scale's bf16 all-gathers at twice their time; only fp32 runs could not tell."""
+    world_size, bandwidth, latency = 4, 1e9, 2e-6
+    fake_world(world_size)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**MODEL))
+    cfg = zero.ZeroConfig(stage=stage, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, bucket_mb=0.01)
+    engine = zero.build_engine(model, cfg, units=list(model.transformer.h), device=torch.device('cpu'))
+    step(engine)  # warm-up: stage 3 records its forward order
+    clock = comm.VirtualClock(speedup=math.inf)
+    engine.comm.use_link(comm.Link(bandwidth, latency, clock=clock))
+    t0 = clock.now()
+    step(engine, seed=1)
+
+    def ring(nbytes):
+        return (world_size - 1) / world_size * nbytes / bandwidth + (world_size - 1) * latency
+    expected = 2 * ring(4) + sum(ring(4 * b.padded_numel) for b in engine.buckets)  # the norm; fp32 grads
+    if stage < 3:
+        expected += sum(ring(2 * b.padded_numel) for b in engine.buckets)  # the new bf16 params all-gathered
+    else:
+        last = engine.units[0].schedule.order[-1]
+        expected += sum(ring(2 * u.bucket.padded_numel) * (1 if u.is_root or u is last else 2) for u in engine.units)
+    assert clock.now() - t0 == pytest.approx(expected, rel=1e-9)
+    assert sum(engine.comm.link.busy.values()) == pytest.approx(expected, rel=1e-9)
+
+
 def test_under_the_fake_process_group_an_all_reduce_sums_every_ranks_copy_of_ours(fake_world):
     # [Note: the fake process group]: as if every rank held our data. Before, it wrote nothing, and the grad norm
     # bench.py scale clips with was rank 0's shard alone (2.24 at world 1, 0.0019 at 4 on one test model)
@@ -360,6 +390,7 @@ def test_fsdp2_in_the_benches_is_sharded_and_compiled_as_our_stage_3(fake_world)
 def test_the_link_needs_the_fake_process_group(gloo_world):
     with pytest.raises(ValueError, match='fake process group'):
         comm.Comm().use_link(comm.parse_link('ib400'))
+
 
 # -----------------------------------------------------------------------------
 # overlap: compute on a clock of CPU time (one thread), so a busy machine's preemptions do not stretch it
@@ -417,6 +448,7 @@ def test_with_prefetch_an_all_gather_that_fits_under_a_block_exposes_nothing(fak
     else:  # (less the few µs of Python between a launch and its wait)
         assert all(blocked > 0.5 * gather for blocked in gathers), gathers
 
+
 # -----------------------------------------------------------------------------
 # bench.py scale --link
 
@@ -431,6 +463,39 @@ def test_bench_scale_with_a_link_prints_exposed_communication_per_kind():
     assert list(link_rows) == ['zero2', 'zero3'], out.stdout
     for kind, row in link_rows.items():
         assert float(row[2]) > 0 and float(row[3]) > 0, row  # step ms with the link, compute alone
+
+
+def test_bench_scale_times_every_step_on_the_link_afresh(monkeypatch, fake_world):  # fake_world: its teardown
+    """bench_scale.measure with a link and --speedup inf (compute takes no time on the link's virtual clock): each of
+    the 3 timed steps runs once alone (0 ms on that clock) and once on the link, which is never idle, so the step
+    lasts exactly the link's time for that step's collectives, all of it exposed. The link's busy and blocked times
+    are each step's own (Link.reset before each): carried over, their medians were twice a step's."""
+    monkeypatch.setattr(bench_scale, 'matmul_flops', lambda device, dtype: 1e11)  # the MFU's peak: not measured here
+    cfg = bench_scale.scale_config(argparse.Namespace(world=8, config='config/shakespeare_cpu.py', set=[
+        'device=cpu', 'n_layer=2', 'n_head=2', 'n_embd=32', 'block_size=16', 'batch_size=2']))
+    result = bench_scale.measure('zero2', cfg, 8, quick=False, link_specs=['ag=2,30/rs=1,50'], speedup=math.inf)
+    (link,) = result['links']
+    assert link['alone'] == 0 and link['step'] > 0
+    assert link['busy'] == pytest.approx(link['step'], rel=1e-9)  # this step's collectives, not the steps' so far
+    assert link['blocked'] == pytest.approx(link['step'], rel=1e-9)
+
+
+def test_the_link_table_prints_exposed_hidden_tokens_and_mfu_from_the_kinds_figures(capsys):
+    """bench_scale.print_link_table from one kind's figures: exposed = the time blocked in waits on a CPU (step -
+    compute alone on a GPU), hidden = 1 - exposed / comm alone, the whole job's tokens a step (micro-steps x batch x
+    block) over the step's time, and MFU = FLOPs a token x job tokens/s / ranks / the peak of one rank."""
+    args = argparse.Namespace(world=8, speedup=None)
+    done = [dict(kind='zero3', peak_flops=1e12, flops_per_token=1e9,
+                 links=[dict(name='ib400', step=0.1, alone=0.08, blocked=0.03, busy=0.04)])]
+    rows = {}
+    for device in ('cpu', 'cuda'):
+        cfg = {'gradient_accumulation_steps': 8, 'batch_size': 2, 'block_size': 16, 'device': device}
+        bench_scale.print_link_table(args, cfg, done)
+        rows[device] = [line for line in capsys.readouterr().out.splitlines() if line.startswith('| zero3 |')]
+    # 8 x 2 x 16 = 256 tokens in 0.1 s: 2,560 tokens/s; 1e9 x 2560 / 8 ranks / 1e12 = 32% MFU
+    assert rows['cpu'] == ['| zero3 | ib400 | 100.0 | 80.0 | 30.0 (30%) | 40.0 | 25% | 2,560 | 32.0% |'], rows
+    assert rows['cuda'] == ['| zero3 | ib400 | 100.0 | 80.0 | 20.0 (20%) | 40.0 | 50% | 2,560 | 32.0% |'], rows
+
 
 # -----------------------------------------------------------------------------
 # collectives that land only at their wait: what NCCL may do and gloo never does

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import comm
+import kernels
 import memory
 import train
 import zero
@@ -49,6 +50,7 @@ def paper_rows(out):
 
 def configured_rows(out):
     return rows(out.split('nanozero as configured')[1])
+
 
 # -----------------------------------------------------------------------------
 # python zero.py estimate: the paper's model
@@ -93,6 +95,7 @@ def test_estimate_refuses_what_it_cannot_estimate_in_one_line(capsys, args, mess
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.splitlines()[-1].startswith(f"python zero.py estimate: error: {message}"), err
 
+
 def test_estimate_communication_with_accumulation_is_a_plus_1_psi_for_stage_2_and_3a_psi_for_stage_3():
     a = 4  # 32 micro-steps over 8 ranks
     out = paper_rows(estimate('--params', '13e9', '--world', '8', '--set', f'gradient_accumulation_steps={8 * a}'))
@@ -100,6 +103,17 @@ def test_estimate_communication_with_accumulation_is_a_plus_1_psi_for_stage_2_an
     assert [tuple(float(c) for c in row[1:5]) for row in out] == PAPER[13e9, 8]  # memory does not depend on a
     # with no --set, one micro-step a rank at any world, as the paper (before: train.py's default 8 over N, 4 at N = 2)
     assert [row[5] for row in paper_rows(estimate('--params', '7e9', '--world', '2'))] == sent(1)
+
+
+def test_estimate_with_fewer_micro_steps_than_ranks_counts_one_micro_step_a_rank():
+    """A config's gradient_accumulation_steps below --world (config/zero3.py's 40 at 64 ranks) is still one micro-step
+    a rank, as bench.py scale runs it: not 0, which printed "reduce-scatter 0Ψ + all-gather Ψ = 1Ψ" for stage 2 and
+    0 GB reduce-scattered in the configured table."""
+    out = estimate('--params', '13e9', '--world', '8', '--set', 'gradient_accumulation_steps=4')
+    assert [row[5] for row in paper_rows(out)] == sent(1)
+    assert [row[7] for row in configured_rows(out)][1:] == [f"reduce_scatter {13 * 4:.4g}, all_gather {13 * 2 * g:.4g}"
+                                                            for g in (1, 1, 2)]  # fp32 reductions, bf16 gathers: GB
+
 
 # -----------------------------------------------------------------------------
 # python zero.py estimate: nanozero as configured, against a real run's startup table
@@ -138,6 +152,76 @@ def test_estimate_as_configured_equals_the_startup_table_of_a_real_two_rank_run(
         estimated = memory.model_states(stage, psi, 2, zcfg)
         for name, (_, counted) in run['populations'].items():
             assert counted == pytest.approx(estimated[name][1] * padded / psi, rel=1e-12), (stage, name)
+
+
+@pytest.fixture
+def fake_rank0():
+    """join(world_size): rank 0 of world_size under torch's fake process group (no other rank, no gloo); destroyed
+    after the test."""
+    yield lambda world_size: dist.init_process_group('fake', rank=0, world_size=world_size, store=FakeStore())
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def fake_engine(stage, world_size, **zero_kw):
+    """test_comm's tiny GPT (odd vocab, biases) as an engine of rank 0 (call inside fake_rank0)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=97, bias=True, dropout=0.0))
+    return zero.build_engine(model, zero.ZeroConfig(stage=stage, **zero_kw), units=list(model.transformer.h),
+                             device=torch.device('cpu'))
+
+
+PRECISIONS = [  # (param_dtype, reduce_dtype, master_weights, state_dtype): every storage pattern, both reduce dtypes
+    *((torch.bfloat16, reduce, master, state) for reduce in (torch.float32, torch.bfloat16)
+      for master in ('fp32', 'remainder', 'none') for state in ('float32', 'bfloat16', 'int8')),
+    *((torch.float32, torch.float32, 'fp32', state) for state in ('float32', 'bfloat16', 'int8')),
+    (torch.float16, torch.float32, 'fp32', 'float32')]
+
+
+def test_the_estimate_is_the_bytes_and_dtypes_counted_for_every_precision_mode_at_every_stage(fake_rank0):
+    """model_states (what `python zero.py estimate` and zero_stage='auto' trust) against counted_states (the bytes of
+    the engine's own tensors, the startup table's "counted"), population by population, dtype and bytes, for every
+    storage pattern of the optimizer and both reduce dtypes, at 3 ranks (Ψ divides by nothing): they differ by the
+    pads alone. Before, only the default precision was compared (test_estimate_as_configured...)."""
+    fake_rank0(3)
+    for stage, (param, reduce, master, state) in itertools.product((1, 2, 3), PRECISIONS):
+        precision = kernels.Precision(master_weights=master, state_dtype=state)
+        engine = fake_engine(stage, 3, param_dtype=param, reduce_dtype=reduce, precision=precision)
+        counted, estimated = memory.counted_states(engine), memory.model_states(stage, engine.psi, 3, engine.cfg)
+        assert list(counted) == list(estimated) == ['params', 'grads', 'master', 'exp_avg', 'exp_avg_sq']
+        pads = engine.flat_numel / engine.psi  # every population holds the padded flat layout (or its shard)
+        for name, (dtype, nbytes) in counted.items():
+            why = (stage, param, reduce, master, state, name, counted[name], estimated[name])
+            assert estimated[name][0] == dtype, why
+            assert estimated[name][1] * pads == pytest.approx(nbytes, rel=1e-12, abs=1e-9), why
+
+
+@pytest.mark.parametrize('stage', [1, 2, 3])
+def test_the_estimated_communication_is_what_a_step_sends_at_the_configured_dtypes_with_accumulation(fake_rank0, stage):
+    """memory.communication (the estimate table's "sent per step, GB") against what Comm counts in a step of 3
+    micro-steps at 4 ranks, bf16 params and fp32 reductions: stage 1 reduce-scatters once a step, stages 2/3 each
+    micro-step (aΨ), all-gathers at the params' 2 bytes, reduce-scatters at the reduce dtype's 4. Stage 3's figure
+    counts every unit's backward re-gather (2aΨ), an upper bound of what it sends (the root and last unit are kept)."""
+    a, world = 3, 4
+    fake_rank0(world)
+    engine = fake_engine(stage, world, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    batches = [tuple(torch.randint(97, (2, 16), generator=gen) for _ in range(2)) for _ in range(a)]
+    train.train_step(engine, batches, 1e-3, nullcontext())  # warm-up: stage 3 learns its forward order
+    engine.comm.numel.clear(), engine.comm.bytes.clear()
+    train.train_step(engine, batches, 1e-3, nullcontext())
+    estimated = memory.communication(stage, engine.psi, a, engine.cfg)
+    pads = engine.flat_numel / engine.psi
+    rs, ag = estimated['reduce_scatter'], estimated['all_gather']
+    assert rs[1] == 4 * rs[0] and ag[1] == 2 * ag[0]  # bytes at fp32 reductions, bf16 gathers
+    assert rs[0] * pads == engine.comm.numel['reduce_scatter'] and rs[1] * pads == engine.comm.bytes['reduce_scatter']
+    assert engine.comm.bytes['all_gather'] == 2 * engine.comm.numel['all_gather']
+    if stage < 3:
+        assert ag[0] * pads == engine.comm.numel['all_gather'], (estimated, engine.comm.numel)
+    else:
+        assert ag[0] == 2 * a * engine.psi, estimated
+        assert engine.comm.numel['all_gather'] <= ag[0] * pads, (estimated, engine.comm.numel)
+
 
 # -----------------------------------------------------------------------------
 # zero_stage='auto'
@@ -218,6 +302,101 @@ def test_auto_says_when_activation_checkpointing_is_what_makes_a_stage_fit():
     assert stage == 0 and line.endswith("activation_checkpointing=True is what makes stage 0 fit (without it: none)"), line
     with pytest.raises(ValueError, match=r"use activation_checkpointing=True \(then stage 0 fits\)"):
         choose({**cfg, 'activation_checkpointing': False}, torch.device('cpu'), 8, args)
+
+
+def test_auto_keeps_10_percent_of_the_limit_as_headroom():
+    """pick_stage: a stage fits when its estimate is at most 90% of the limit (HEADROOM, for fragmentation, the runtime
+    and temporaries), not 1/1.1 of it nor any other share; the line says the budget it used."""
+    assert memory.pick_stage({1: 0.899e9, 3: 0.5e9}, 1e9)[0] == 1
+    assert memory.pick_stage({1: 0.901e9, 3: 0.5e9}, 1e9)[0] == 3  # within 1/1.1 (0.909) but not 0.9 of the limit
+    assert memory.pick_stage({1: 0.901e9, 3: 0.91e9}, 1e9)[0] is None
+    assert "limit 0.9 GB = 90% of 1 GB -> stage 3" in memory.pick_stage({1: 0.901e9, 3: 0.5e9}, 1e9)[1]
+
+
+def test_auto_with_bf16_compute_counts_the_activations_in_bf16():
+    """zero_stage='auto' and `python zero.py estimate --gpu_gb` with bf16 compute: the activations are 2-byte values
+    (memory.activations' compute_bytes = the params' dtype), not fp32 ones, which would double them and pick a higher
+    stage than needed (or none). Activations outweigh the model states here (64 x 16 tokens)."""
+    cfg = train.parse_config(['--n_layer=4', '--n_head=4', '--n_embd=128', '--block_size=16', '--batch_size=64',
+                              '--dtype=bfloat16', '--zero_stage=auto', '--memory_gb=1000'])
+    args = {**train.model_args(cfg, 256), 'vocab_size': 256}
+    model = GPT(GPTConfig(**args))
+    psi, units = sum(p.numel() for p in model.parameters()), memory.unit_sizes(model, model.transformer.h)
+    zcfg = train.zero_config({**cfg, 'zero_stage': 1})
+    need = {a: memory.stage_estimates(psi, 8, zcfg, memory.activations(4, 128, 256, 64 * 16, a), *units) for a in (2, 4)}
+    assert all(f"{need[2][s] / 1e9:.3g}" != f"{need[4][s] / 1e9:.3g}" for s in need[2])  # the line can tell them apart
+    line = choose(cfg, torch.device('cpu'), 8, args)[1]
+    assert all(f"stage {s} {need[2][s] / 1e9:.3g}" in line for s in need[2]), line
+    # the estimator's CLI, on a config file (a CPU config: its dtype float32 set to bf16)
+    out = estimate('--config', 'config/shakespeare_char.py', '--world', '8', '--gpu_gb', '80', '--set', 'batch_size=64',
+                   '--set', 'dtype=bfloat16')
+    cfg = train.parse_config(['config/shakespeare_char.py', '--batch_size=64', '--dtype=bfloat16'])
+    act = memory.activation_bytes(cfg['n_layer'], cfg['n_embd'], train.vocab_size(cfg), 64 * cfg['block_size'], 2)
+    assert f"activations of one micro-batch (64 x {cfg['block_size']} tokens): {act / 1e9:.3g} GB" in out, out
+
+
+def test_on_a_cpu_without_memory_gb_the_ranks_of_a_machine_share_its_ram(monkeypatch):
+    """device_memory_bytes on a CPU, memory_gb unset: the machine's RAM divided among the ranks torchrun started on it
+    (LOCAL_WORLD_SIZE), else each of 8 ranks would plan with all of it and zero_stage='auto' pick a stage 8x too big."""
+    monkeypatch.setattr(dist, 'is_initialized', lambda: False)
+    ram = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    monkeypatch.delenv('LOCAL_WORLD_SIZE', raising=False)
+    assert memory.device_memory_bytes(torch.device('cpu')) == ram
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '8')
+    assert memory.device_memory_bytes(torch.device('cpu')) == ram / 8
+    assert memory.device_memory_bytes(torch.device('cpu'), memory_gb=2.0) == 2e9  # memory_gb: the rank's own, as given
+
+
+def test_auto_says_checkpointing_is_what_makes_a_lower_stage_fit_when_without_it_a_higher_one_would():
+    """lowest_stage_that_fits' note: with activation_checkpointing=True, when without it the lowest stage that fits is
+    a higher one (not only when none fits), the line says so and names that stage."""
+    cfg, args = auto_config(memory_gb=1.0)
+    cfg.update(batch_size=16, activation_checkpointing=True)
+    model = GPT(GPTConfig(**args))
+    psi, units = sum(p.numel() for p in model.parameters()), memory.unit_sizes(model, model.transformer.h)
+    need = {ck: memory.stage_estimates(psi, 8, train.zero_config({**cfg, 'zero_stage': 1}),
+                                       memory.activations(4, 128, 256, 16 * 16, 4, ck), *units) for ck in (False, True)}
+    budget = (need[False][1] + need[False][2]) / 2
+    assert need[True][0] > budget >= need[True][1] and need[False][1] > budget >= need[False][2]  # 1 with it, 2 without
+    cfg['memory_gb'] = budget / 0.9 / 1e9
+    stage, line = choose(cfg, torch.device('cpu'), 8, args)
+    assert stage == 1 and line.endswith("activation_checkpointing=True is what makes stage 1 fit (without it: 2)"), line
+
+
+def test_the_heads_backward_counts_the_weight_grads_cast_to_bf16_params():
+    """[Note: the peak], moment B, bf16 params (stages 1-3): the weight grad's cast to the params' dtype (root_numel x 2
+    bytes) beside the head's backward; fp32 params need no cast. A huge head backward: B is the peak."""
+    root, block, big = 10_000, 100, 10**7
+    act = memory.Activations(0, 0, 0, 0, 0, big)
+    for stage in (1, 2):
+        for param, cast in ((torch.bfloat16, 2 * root), (torch.float32, 0)):
+            cfg = zero.ZeroConfig(stage=stage, param_dtype=param)
+            got = memory.transient_bytes(stage, cfg, block, root, root + 4 * block, 4, act)
+            assert got == big + cast, (stage, param, got)
+
+
+def test_stage_2s_grad_buffer_moment_holds_a_bucket_of_param_dtype_grads_beside_its_reduce_dtype_buffer():
+    """[Note: the peak], moment C at stage 2, no activations: the grads as autograd made them (param_dtype, 2 bytes)
+    beside the bucket's grad buffer (reduce_dtype, 4 bytes), for a bucket of bucket_mb (a block at least) but never
+    more than the whole model: 25 MB of fp32 grads are 6.5M elements, this model 401,000."""
+    root, block = 1000, 100_000
+    psi = root + 4 * block
+    for bucket_mb, bucket in ((25.0, psi), (1.0, 2**20 // 4), (0.001, block)):
+        cfg = zero.ZeroConfig(stage=2, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, bucket_mb=bucket_mb)
+        got = memory.transient_bytes(2, cfg, block, root, psi, 4)
+        assert got == 2 * root + bucket * (2 + 4), (bucket_mb, got)  # the pending embedding grad + the moment
+
+
+@pytest.mark.parametrize('master', ['fp32', 'remainder', 'none'])
+def test_stage_3s_gathered_units_lend_their_shard_unless_the_gather_casts_an_fp32_master(master):
+    """fsdp_lite [Note: a gathered unit holds its shard once]: with bf16 params stored (master_weights 'remainder' or
+    'none') the gather's input is the stored shard, so a gathered unit adds (1 - 1/N) of its bytes; from an fp32 master
+    the input is a cast, and the whole unit counts. Moment A (a huge head forward): the root and the last unit."""
+    root, block, world, big = 1000, 100, 4, 10**6
+    cfg = zero.ZeroConfig(stage=3, param_dtype=torch.bfloat16, precision=kernels.Precision(master_weights=master))
+    got = memory.transient_bytes(3, cfg, block, root, root + 6 * block, world, memory.Activations(0, 0, 0, 0, big, 0))
+    share = 2 * (1 if master == 'fp32' else 1 - 1 / world)
+    assert got - big == pytest.approx(share * (root + block))
 
 
 @pytest.mark.parametrize('reshard', [True, False])
@@ -334,6 +513,7 @@ def test_auto_in_a_real_run_prints_its_reasoning_and_trains_with_the_stage_it_pi
                    '--max_iters=1', '--eval_interval=1')
     line = next(line for line in out.splitlines() if line.startswith('zero_stage=auto: '))
     assert line.endswith('-> stage 1, the lowest that fits') and 'zero_stage=1, N=2' in out
+
 
 # -----------------------------------------------------------------------------
 # activations
@@ -507,6 +687,7 @@ def test_the_profiler_is_stopped_after_the_fourth_iteration(tmp_path):
         running.append(profiler is not None and torch.autograd._profiler_enabled())
     assert running == [True, True, True, False, False, False, False] and (tmp_path / 'trace_rank0.json').exists()
 
+
 def test_on_cuda_the_profiler_records_the_gpus_kernels_too(monkeypatch, tmp_path):
     # comm.start_profiler's CUDA branch, torch.profiler.profile stood in for: a GPU run's trace has the kernels
     # (test_gpu.py's test_profile_traces_cuda_kernels... reads a real one), a CPU run's asks for no CUDA activity
@@ -541,6 +722,7 @@ def test_bench_scale_prints_a_row_per_kind_and_counts_what_the_estimator_says():
         estimated, measured, ratio = map(float, table[kind][:3])
         assert 0.95 <= ratio <= 1.05 and 0.95 <= measured / estimated <= 1.05, (kind, table[kind])
     assert all(float(cell) > 0 for cell in table['fsdp2'][:5])  # fsdp2 ran; its ratio is the chunking's business
+
 
 # -----------------------------------------------------------------------------
 # the peak: the estimate against every byte torch's CPU allocator hands out
