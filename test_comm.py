@@ -121,6 +121,25 @@ def test_bench_scale_and_study_link_refuse_what_they_cannot_run_before_running_a
     assert (out.returncode, out.stderr) == (1, f"--append: {tmp_path}/study.json is not there yet: run once without --append\n")
 
 
+def test_study_link_writes_each_settings_row_and_counts_each_settings_time_once(tmp_path):
+    # study_link.write from made-up rows: exposed as a share of the step, hidden = 1 - exposed / comm alone, and the
+    # wall time of each setting once (its rows, one a link, each carry the seconds since the setting began: the last)
+    import study_link
+    row = lambda setting, link, exposed, seconds: dict(world=64, setting=setting, link=link, step=0.4, alone=0.3,  # noqa: E731
+                                                       exposed=exposed, busy=0.2, psi=1.5e9, command='--worlds 64',
+                                                       seconds=seconds)
+    rows = [row('zero3 prefetch 1', 'ib400', 0.1, 60.0), row('zero3 prefetch 1', 'eth100', 0.16, 120.0),
+            row('zero2 bucket 25 MB', 'ib400', 0.0, 30.0)]
+    cli = argparse.Namespace(out=str(tmp_path / 'study'), set=[], speedup='40')
+    study_link.write(cli, '40', rows)
+    text = (tmp_path / 'study.md').read_text()
+    table = [line for line in text.splitlines() if line.startswith('| 64 ')]
+    assert table == ['| 64 | zero3 prefetch 1 | ib400 | 400.00 | 300.00 | 100.00 (25%) | 200.00 | 50% |',
+                     '| 64 | zero3 prefetch 1 | eth100 | 400.00 | 300.00 | 160.00 (40%) | 200.00 | 20% |',
+                     '| 64 | zero2 bucket 25 MB | ib400 | 400.00 | 300.00 | 0.00 (0%) | 200.00 | 100% |'], text
+    assert '2.5 min on 2 cores' in text and 'Ψ = 1500.0M' in text, text  # 120 s + 30 s
+
+
 def test_a_link_per_collective_times_each_kind_with_its_own_bandwidth_and_latency():
     link = comm.parse_link('ag=2,100/rs=1,300')  # GB/s, µs
     # 4 ranks, 8 MB: all-gather 3/4 * 8e6 / 2e9 = 3 ms + 3 * 100 µs; reduce-scatter 6 ms + 3 * 300 µs
@@ -387,6 +406,43 @@ def test_fsdp2_in_the_benches_is_sharded_and_compiled_as_our_stage_3(fake_world)
         hasattr(b.forward, '_torchdynamo_orig_callable') for b in model.transformer.h)  # compiled per unit
 
 
+def test_the_benches_count_fsdp2s_local_shards_not_its_whole_params(fake_world):
+    # bench_zero.nbytes / TorchEngine.populations: a DTensor's numel is the whole tensor's; rank 0 of 4 holds a quarter
+    # of each param (dim 0 padded to a multiple of 4), so fsdp2's params take ~Ψ bytes in fp32 here, not 4Ψ
+    fake_world(4)
+    cfg = train.parse_config(['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=16', '--dtype=float32',
+                              '--device=cpu'])
+    _, engine = bench_scale.build_fsdp2(cfg, torch.device('cpu'), train.model_args(cfg, 128), 4)
+    params = engine.populations()['params']
+    assert engine.psi <= params <= 1.05 * engine.psi, (params, engine.psi)
+
+
+def test_bench_zeros_transient_peak_stays_within_its_bound_and_counts_a_lent_shard_once(fake_world):
+    # bench_zero.meter_transient / transient_bound / transient_bytes, rank 0 of 4: the peak metered over two steps never
+    # passes the bound from the engine's counters (gathered units x the largest + the root, gathered to the step, + the
+    # grad buffers); a gathered unit holds its own shard in place (lends_shard): it adds its size less that shard
+    import bench_zero
+    fake_world(4)
+    for stage in (2, 3):
+        cfg = train.parse_config(['--n_layer=3', '--n_head=2', '--n_embd=32', '--block_size=16', '--dtype=float32',
+                                  '--device=cpu', f'--zero_stage={stage}', '--batch_size=2', '--bucket_mb=0.01',
+                                  '--gradient_accumulation_steps=4'])
+        _, engine = train.build(cfg, torch.device('cpu'), train.model_args(cfg, 128))
+        peak, x = [0], torch.randint(128, (2, 16))
+        handles = bench_zero.meter_transient(engine, peak)
+        for _ in range(2):
+            train.train_step(engine, [(x, x)], 1e-3, nullcontext())
+        for h in handles:
+            h.remove()
+        assert 0 < peak[0] <= bench_zero.transient_bound(engine), (stage, peak[0], bench_zero.transient_bound(engine))
+        assert bench_zero.transient_bytes(engine) == 0  # between steps: no grad buffer, every unit sharded
+    unit = next(u for u in engine.units if not u.is_root)
+    unit.unshard()
+    unit.wait_for_unshard()
+    assert unit.lends_shard and bench_zero.transient_bytes(engine) == unit.nbytes - unit.shard_nbytes == unit.nbytes * 3 // 4
+    unit.reshard()
+
+
 def test_the_link_needs_the_fake_process_group(gloo_world):
     with pytest.raises(ValueError, match='fake process group'):
         comm.Comm().use_link(comm.parse_link('ib400'))
@@ -495,6 +551,23 @@ def test_the_link_table_prints_exposed_hidden_tokens_and_mfu_from_the_kinds_figu
     # 8 x 2 x 16 = 256 tokens in 0.1 s: 2,560 tokens/s; 1e9 x 2560 / 8 ranks / 1e12 = 32% MFU
     assert rows['cpu'] == ['| zero3 | ib400 | 100.0 | 80.0 | 30.0 (30%) | 40.0 | 25% | 2,560 | 32.0% |'], rows
     assert rows['cuda'] == ['| zero3 | ib400 | 100.0 | 80.0 | 20.0 (20%) | 40.0 | 50% | 2,560 | 32.0% |'], rows
+
+
+def test_bench_scale_link_table_reads_each_column_from_its_own_figure(capsys):
+    # link_results: each column the median of its own figure over the timed steps (step, compute alone, blocked,
+    # busy, in measure's order); the table: exposed is the time blocked in waits on a CPU, tokens/s the whole job's
+    # (8 ranks, 8 micro-steps of 2 x 16 tokens in all) over the step with the link, MFU per rank
+    link = types.SimpleNamespace(name='ib400', bandwidth=50e9, latency=5e-6)
+    steps = [(0.05, 0.030, 0.01, 0.02), (0.04, 0.020, 0.02, 0.03), (0.03, 0.025, 0.00, 0.01)]
+    [x] = bench_scale.link_results({'ib400': steps}, [link])
+    assert x == dict(name='ib400', bandwidth=50e9, latency=5e-6, step=0.04, alone=0.025, blocked=0.01, busy=0.02)
+    args = argparse.Namespace(world=8, speedup=None)
+    cfg = {'gradient_accumulation_steps': 8, 'batch_size': 2, 'block_size': 16, 'device': 'cpu'}
+    bench_scale.print_link_table(args, cfg, [dict(kind='zero3', links=[x], flops_per_token=1e6, peak_flops=1e9)])
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip('|').split('|')] for line in out.splitlines() if line.startswith('| zero')]
+    # 256 tokens / 0.04 s = 6,400 tokens/s; 1e6 FLOPs a token x 6,400 / 8 ranks / 1e9 = 80%; hidden 1 - 10 / 20 ms
+    assert rows == [['zero3', 'ib400', '40.0', '25.0', '10.0 (25%)', '20.0', '50%', '6,400', '80.0%']], out
 
 
 # -----------------------------------------------------------------------------
@@ -653,6 +726,19 @@ def test_bench_zeros_through_backend_kind_calls_the_backend_at_world_1(gloo_worl
         assert engine.comm.alone is not through and (len(called) > before) is through, kind
 
 
+def test_bench_zero_counts_ddps_grads_once_in_its_buckets(gloo_world):
+    # bench_zero.model_state_bytes: DDP with gradient_as_bucket_view holds its grads in its all-reduce buckets, no second
+    # copy: params 4, grads 4 and AdamW's moments 8 bytes a param at world 1 (16Ψ), no 'ddp buckets' on top
+    import bench_zero
+    cfg = train.parse_config(['--device=cpu', '--n_layer=1', '--n_head=2', '--n_embd=16', '--block_size=8',
+                              '--batch_size=1', '--dataset=shakespeare_char', '--dtype=float32'])
+    engine = bench_zero.build('ddp', cfg, torch.device('cpu'))
+    x = torch.randint(65, (1, 8))
+    train.train_step(engine, [(x, x)], 1e-3, nullcontext())
+    pops = bench_zero.model_state_bytes(engine)
+    assert 'ddp buckets' not in pops and sum(pops.values()) == 16 * engine.psi, pops
+
+
 # -----------------------------------------------------------------------------
 # the end of a run ([Note: the end of a run])
 
@@ -681,7 +767,6 @@ def test_a_tensor_never_let_go_ends_the_run_after_the_timeout_with_a_warning(glo
         comm.end_process_group(torch.device('cpu'), t, timeout=0.2)
     assert 0.2 <= time.perf_counter() - t0 < 5 and not dist.is_initialized() and t._use_count() == 2  # (the view)
     del held  # held to here
-
 
 
 def test_on_nccl_the_end_waits_for_no_tensor_held(gloo_world, monkeypatch):

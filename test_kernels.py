@@ -1126,6 +1126,41 @@ def test_on_cuda_bench_times_each_fn_between_two_events_then_waits_for_the_gpu(m
     assert len(log) == 16 and times == {"f": pytest.approx(5.0)}  # the median of 3, 5, 7
 
 
+def test_bench_times_fns_in_turns_reversed_every_other_round_the_median_after_warm_up(monkeypatch):
+    # bench.time_ms's CPU branch, its clock stood in for: the warm-up runs untimed (a first call 1 s long counts for
+    # nothing), then the fns take turns, in an order reversed every other round, and each gets the median of its times
+    # (a's one 90 ms call among 1 and 2 ms ones moves nothing; a mean would say 31 ms)
+    import types
+
+    import bench
+    clock, order = [0.0], []
+    durations = {"a": iter([1.0, 1e-3, 2e-3, 90e-3]), "b": iter([1.0, 5e-3, 5e-3, 5e-3])}
+
+    def fn(name):
+        order.append(name)
+        clock[0] += next(durations[name])
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    times = bench.time_ms({"a": lambda: fn("a"), "b": lambda: fn("b")}, torch.device("cpu"), repeats=3, warmup=1)
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert times == {"a": pytest.approx(2.0), "b": pytest.approx(5.0)}
+
+
+def test_bench_modes_prints_each_modes_time_over_the_first_modes_and_over_the_other_kernels(monkeypatch, capsys):
+    # bench.py kernels --modes --against X, the timings stood in for: each mode takes 2 ms (the first 1 ms) in ours and
+    # 4 ms in X's kernel: "ratio" is a mode's time over the first mode's, "vs X" ours over X's (0.50: ours twice as fast)
+    import bench
+    monkeypatch.setattr(bench, "library_at", lambda rev, impl: object())
+    monkeypatch.setattr(bench, "same_bits", lambda impl, lib, device: [m[0] for m in bench.PRECISION_MODES])
+    first = bench.PRECISION_MODES[0][0]
+    monkeypatch.setattr(bench, "time_ms", lambda fns, device, repeats=10, warmup=3: {
+        key: 1.0 if key in ("copy", first) else 2.0 if isinstance(key, str) else 2.0 if key[0] == first else 4.0
+        for key in fns})
+    bench.bench_modes(torch.device("cpu"), [4096], torch.float32, against="X")
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("4,096")]
+    assert [(row[-5], row[-4], row[-2], row[-1]) for row in rows] == [
+        ("1.00", "1.00", "2.00", "0.50")] + [("2.00", "2.00", "4.00", "0.50")] * (len(bench.PRECISION_MODES) - 1), rows
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                     reason="no nvcc: cannot compile the CUDA source")
 def test_cuda_library_builds_for_sm90_with_nvcc_alone(monkeypatch, tmp_path):
@@ -1464,10 +1499,24 @@ def test_bench_kernels_prints_a_row_per_size(grad_dtype):
     assert [row[0] for row in rows] == ["1,000", "4,096"] and all(len(row) == 9 for row in rows)
 
 
+def test_bench_kernels_ratios_are_our_time_over_torchs(monkeypatch, capsys):
+    # bench.py kernels, the timings stood in for: ours 1 ms, torch's fused step + cast 2 ms, foreach 4 ms: ratios 0.50
+    # and 0.25 (below 1: ours faster, the goal <= 0.9), the bytes moved at 1 ms against a 1 ms copy of the copy's bytes
+    import argparse
+
+    import bench
+    monkeypatch.setattr(bench, "time_ms", lambda fns, device, repeats=10, warmup=3: {
+        key: {"ours": 1.0, "fused": 2.0, "foreach": 4.0, "copy": 1.0}[key] for key in fns})
+    bench.bench_kernels(argparse.Namespace(device="cpu", sizes="1000", modes=False, grad_dtype="float32", against=None))
+    [row] = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("1,000")]
+    assert row[2:] == ["1.00", "0.0", f"{30 * 1000 / (8 * 2**26):.2f}", "2.00", "0.50", "4.00", "0.25"], row
+
+
 @pytest.mark.parametrize("args, line", [
     (["kernels", "--device", "cpu", "--sizes", "4K,0"], "bench.py kernels: --sizes: '0' is not a shard size: give "
                                                         "elements, e.g. 1000, 4K, 16M"),  # was a ZeroDivisionError
     (["scale", "--world", "-4"], "bench.py scale: --world -4: give the number of ranks to be rank 0 of, at least 1"),
+    (["scale", "--kinds", "zero3,zero4"], "bench.py scale: unknown kinds ['zero4']: choose from zero1,zero2,zero3,fsdp2"),
     (["scale", "--world", "8", "--set", "n_layerz=2"], "bench.py scale: unknown config key 'n_layerz' in --n_layerz=2; "
                                                        "did you mean n_layer?")])
 def test_bench_py_says_what_it_cannot_run_in_one_line(args, line):

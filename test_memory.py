@@ -724,6 +724,36 @@ def test_bench_scale_prints_a_row_per_kind_and_counts_what_the_estimator_says():
     assert all(float(cell) > 0 for cell in table['fsdp2'][:5])  # fsdp2 ran; its ratio is the chunking's business
 
 
+def test_bench_scale_prints_each_kinds_figures_in_its_row_and_says_which_did_not_run(monkeypatch, capsys):
+    # the table from made-up results (each kind's subprocess stood in for): measured / estimated, bytes a param, the
+    # peak during steps less the runtime against the peak estimate (not the process's peak, the build's included),
+    # a kind that died named in its row, and the DDP kinds, which cannot run under the fake group, named as skipped
+    import argparse
+    import bench_scale
+
+    def result(kind, estimate, measured):
+        return dict(kind=kind, psi=1_000_000, estimate=estimate, populations={'params': measured / 2, 'grads': measured / 2},
+                    pads=10, transient=2e6, after_step=3e6, runtime=50e6, steps_peak=90e6, process_peak=120e6,
+                    step_ms=12.0, build_s=1.5, peak_estimate=20e6, threads=2, links=[], flops_per_token=1.0,
+                    peak_flops=None)
+    made = {'zero2': result('zero2', 8e6, 10e6), 'zero3': result('zero3', 4e6, 5e6),
+            'fsdp2': dict(kind='fsdp2', failed='exit code -9 (killed: out of memory?)')}
+    monkeypatch.setattr(bench_scale, 'run_kind', lambda kind, args: made[kind])
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--config'), parser.add_argument('--set', action='append', default=[]), parser.add_argument('--kinds')
+    bench_scale.add_arguments(parser)
+    bench_scale.bench_scale(parser.parse_args(['--config=config/shakespeare_cpu.py', '--kinds=ddp,zero2,zero3,fsdp2',
+                                               '--world=8', '--set=device=cpu']))
+    out = capsys.readouterr().out
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip('|').split('|')]
+                                              for line in out.splitlines() if line.startswith('| '))}
+    assert list(rows) == ['kind', 'zero2', 'zero3', 'fsdp2'], out
+    assert rows['zero2'][:10] == ['8.00', '10.00', '1.2500', '10.000', '3.00', '90', '120', '50', '20', '2.000'], rows
+    assert rows['zero3'][:5] == ['4.00', '5.00', '1.2500', '5.000', '3.00'], rows
+    assert rows['fsdp2'][0] == 'did not run: exit code -9 (killed: out of memory?)', rows
+    assert 'skipped ddp: torch DDP cannot run under the fake process group' in out
+
+
 # -----------------------------------------------------------------------------
 # the peak: the estimate against every byte torch's CPU allocator hands out
 

@@ -7,6 +7,7 @@ last, the loss head's fp16 grads, model.py alone.
 """
 import functools
 import math
+import re
 import subprocess
 import sys
 
@@ -306,6 +307,22 @@ def test_study_precision_quick_runs_every_pattern(tmp_path):
     assert len(rows) == 8
     remainder = next(r for r in rows if r.startswith('| remainder'))
     assert '| +0.0000 |' in remainder  # equal to the baseline, exactly
+    # each row's final val loss is its run's last eval (one seed: the mean is that run's), as the run printed it
+    printed = dict(re.findall(r'^(.+), seed 1337: val loss [\d.]+ -> ([\d.]+),', out.stdout, re.M))
+    assert {r.split('|')[1].strip(): r.split('|')[2].split()[0] for r in rows} == printed, (rows, out.stdout)
+
+
+def test_study_precisions_table_gives_each_patterns_mean_spread_and_difference_from_the_baseline():
+    # study_precision.table from made-up runs, two seeds each: mean ± half the spread of the final losses, the pattern's
+    # mean less the baseline's (positive: worse than the baseline), bytes/param and the mean tokens/s
+    import study_precision
+    run = lambda final, speed: dict(final=final, bytes_per_param=6.0, tokens_per_s=speed)  # noqa: E731
+    results = {'fp32 master + fp32 state (baseline)': [run(1.50, 1000), run(1.52, 3000)],
+               'no master + fp32 state': [run(1.60, 2000), run(1.64, 2000)]}
+    text = study_precision.table(results, dict(study_precision.QUICK), [1, 2], 60.0)
+    rows = [[c.strip() for c in line.strip('|').split('|')] for line in text.splitlines() if line.startswith('| ')]
+    assert rows[1:] == [['fp32 master + fp32 state (baseline)', '1.5100 ± 0.0100', '+0.0000', '6.00', '2,000'],
+                        ['no master + fp32 state', '1.6200 ± 0.0200', '+0.1100', '6.00', '2,000']], rows
 
 
 def test_chunked_loss_head_in_fp16_keeps_the_small_grads_a_loss_scale_protects():

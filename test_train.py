@@ -430,12 +430,108 @@ def test_bench_zero_refuses_zero_rounds_or_steps_before_it_starts_anything(monke
             bench_zero.bench_zero(parser.parse_args(bad))
 
 
+def test_bench_zero_refuses_an_unknown_or_repeated_kind_before_building_any(monkeypatch):
+    # an unknown kind (a typo: 'fsdp') was built as FSDP2 under that name; a kind named twice collapsed into one
+    # engine and the report died in a traceback after every kind had been built and timed
+    monkeypatch.setattr(bench_zero.comm, 'start_process_group', lambda *a: (torch.device('cpu'), 0, 1))
+    monkeypatch.setattr(bench_zero, 'build', lambda *a: pytest.fail("built a kind"))
+    monkeypatch.setattr(bench_zero.train, 'prepare_data', lambda *a: pytest.fail("prepared the data"))
+    parser = argparse.ArgumentParser()
+    bench_zero.add_arguments(parser)
+    for kinds, message in (('ddp,fsdp', r"unknown kinds \['fsdp'\]: choose from"),
+                           ('zero2,zero3,zero2', 'names a kind twice')):
+        with pytest.raises(ValueError, match=message):
+            bench_zero.bench_zero(parser.parse_args([f'--kinds={kinds}', '--set=device=cpu']))
+
+
 def test_bench_zero_ratios_are_taken_round_by_round():
     # a kind 10% slower than its reference in 3 of 4 rounds, and a machine that slows down over the run (the times
     # double each round): the per-round ratio says 1.1x, a ratio of the two medians (3.2 / 3.0) would say 1.07x
     ref = torch.tensor([1.0, 2.0, 4.0, 8.0])
     kind = torch.tensor([1.1, 2.0, 4.4, 8.8])
     assert bench_zero.paired_ratio(kind, ref) == pytest.approx([1.075, 1.1, 1.1])
+
+
+def test_bench_zero_report_puts_each_kinds_ratios_and_memory_in_its_own_row(monkeypatch, capsys):
+    # report() from made-up timings, 4 rounds x 3 steps on 2 ranks, a machine that halves its speed each round. Per
+    # round zero2 takes 1.2x ddp's median step, zero3 1.1x (one step of its three 50x slower: a median, not a mean,
+    # stands for a round) and fsdp2 1.1x; each kind's model state, transient peak and exposed time are its own.
+    kinds, rounds, steps = ['ddp', 'zero2', 'zero3', 'fsdp2', 'zero3:blocks_per_unit=2'], 4, 3
+    ours = lambda stage: types.SimpleNamespace(psi=1000, buckets=[], peak_grad_buffers=1, cfg=types.SimpleNamespace(  # noqa: E731
+        stage=stage, blocks_per_unit=1), units=[types.SimpleNamespace(schedule=types.SimpleNamespace(peak_live=1))])
+    engines = {'ddp': types.SimpleNamespace(psi=1000), 'zero2': ours(2), 'zero3': ours(3),
+               'fsdp2': types.SimpleNamespace(psi=1000), 'zero3:blocks_per_unit=2': ours(3)}
+    times = torch.zeros(len(kinds), rounds * steps)
+    for k, (scale, spike) in enumerate(((1.0, 1), (1.2, 1), (1.1, 50), (1.1, 1), (1.21, 1))):
+        for r in range(rounds):
+            times[k, r * steps:(r + 1) * steps] = torch.tensor([1.0, 1.0, spike]) * scale * 2 ** r * 0.01
+    exposed = torch.full((len(kinds), rounds * steps), 0.003)  # 3 ms blocked a step; 4 ms alone: 25% hidden
+    alone = torch.full((len(kinds), rounds), 0.004)
+    every = torch.zeros(2, len(kinds) + 1, 3, dtype=torch.float64)  # (ranks, kinds + RSS, [state, peak, bound])
+    every[:, :5, 0] = torch.tensor([4e6, 2e6, 1e6, 3e6, 0.9e6])
+    every[:, 1:3, 1], every[:, 1:3, 2] = torch.tensor([5e5, 7e5]), torch.tensor([6e5, 8e5])
+    pops = {kind: {'params': every[0, k, 0].item()} for k, kind in enumerate(kinds)}
+    monkeypatch.setattr(bench_zero.dist, 'get_backend', lambda: 'gloo')
+    cfg = {**train.parse_config([]), 'device': 'cpu', 'dtype': 'float32'}
+    bench_zero.report(argparse.Namespace(rounds=rounds, steps=steps), cfg, engines, {k: (1.0, 1.0) for k in kinds},
+                      {k: {} for k in kinds}, times, exposed, alone, pops, every)
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip('|').split('|')]
+                                              for line in capsys.readouterr().out.splitlines() if line.startswith('| '))}
+    assert [rows[k][1] for k in kinds] == ['1.00x (1.00-1.00)', '1.20x (1.20-1.20)', '1.10x (1.10-1.10)',
+                                           '1.10x (1.10-1.10)', '1.21x (1.21-1.21)'], rows  # kind / ddp, round by round
+    assert rows['zero3'][2] == '1.00x (1.00-1.00) fsdp2, 0.92x (0.92-0.92) zero2', rows  # vs its torch counterparts
+    assert rows['zero3:blocks_per_unit=2'][2] == ('1.10x (1.10-1.10) fsdp2, 1.01x (1.01-1.01) zero2, '
+                                                  '1.10x (1.10-1.10) zero3'), rows  # ... and its own kind
+    assert [rows[k][3] for k in kinds] == ['4.0', '2.0', '1.0', '3.0', '0.9'], rows  # model-state MB/rank, its own
+    assert [rows[k][4] for k in kinds] == ['–', '0.5 (0.6)', '0.7 (0.8)', '–', '0.0 (0.0)'], rows  # transient (bound)
+    # exposed ms (of the median step: 36 and 66 ms), alone, hidden = 1 - exposed / alone
+    assert [rows[k][5:] for k in ('zero2', 'zero3')] == [['3.0 (8%)', '4.0', '25%'], ['3.0 (5%)', '4.0', '25%']], rows
+
+
+def test_bench_zero_times_each_kind_in_rotating_turns_after_its_warm_up(monkeypatch):
+    # bench_zero's loop with engines stood in for, on a 1-rank gloo group and a clock of its own: each kind is warmed
+    # up on iterations 0-1 (its first step's loss kept), then every round runs every kind's steps back to back, the
+    # order rotated each round, each step's time in its own slot of that kind's row; no warm-up step is timed.
+    import torch.distributed as dist
+    kinds, rounds, steps, seconds = ['ddp', 'zero2', 'fsdp2'], 3, 2, {'ddp': 1.0, 'zero2': 2.0, 'fsdp2': 3.0}
+    clock, ran, got = [0.0], [], {}
+
+    def train_step(engine, iteration, lr, autocast):  # iteration i of a kind takes seconds[kind] * (i + 1)
+        ran.append((engine.kind, iteration))
+        clock[0] += seconds[engine.kind] * (iteration + 1)
+        return torch.tensor(float(iteration)), 10.0 + iteration
+
+    for name in ('all_gather', 'reduce_scatter', 'all_reduce_sum'):  # CommClock wraps them: put them back after
+        monkeypatch.setattr(bench_zero.zero.Comm, name, getattr(bench_zero.zero.Comm, name))
+    monkeypatch.setattr(bench_zero.comm, 'start_process_group', lambda *a: (torch.device('cpu'), 0, 1))
+    monkeypatch.setattr(bench_zero.comm, 'end_process_group', lambda *a: None)
+    monkeypatch.setattr(bench_zero.train, 'prepare_data', lambda *a: None)
+    monkeypatch.setattr(bench_zero.train, 'load_split', lambda *a: None)
+    monkeypatch.setattr(bench_zero.train, 'train_batches', lambda data, iteration, *a: iteration)
+    monkeypatch.setattr(bench_zero.train, 'train_step', train_step)
+    monkeypatch.setattr(bench_zero, 'time', types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(bench_zero, 'build', lambda kind, cfg, device: types.SimpleNamespace(
+        kind=kind, module=None, psi=10, populations=lambda: {'params': 40}))
+    monkeypatch.setattr(bench_zero, 'report', lambda args, cfg, engines, first, sent, times, *rest: got.update(
+        first=first, times=times.clone()))
+    ops, all_reduce = [], dist.all_reduce  # a step lasts as long as its slowest rank: times MAX, blocked time MIN
+    monkeypatch.setattr(dist, 'all_reduce', lambda t, op=dist.ReduceOp.SUM, **kw: ops.append(op) or all_reduce(t, op, **kw))
+    parser = argparse.ArgumentParser()
+    bench_zero.add_arguments(parser)
+    dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())
+    try:
+        bench_zero.bench_zero(parser.parse_args([f'--kinds={",".join(kinds)}', f'--rounds={rounds}', f'--steps={steps}',
+                                                 '--set=device=cpu']))
+    finally:
+        dist.destroy_process_group()
+    assert ran[:6] == [(kind, i) for kind in kinds for i in (0, 1)]  # the warm-up: 2 steps each
+    timed = [ran[6 + 2 * j][0] for j in range(rounds * len(kinds))]
+    assert timed == ['ddp', 'zero2', 'fsdp2', 'zero2', 'fsdp2', 'ddp', 'fsdp2', 'ddp', 'zero2'], timed  # rotated
+    assert all(ran[6 + 2 * j][0] == ran[7 + 2 * j][0] for j in range(rounds * len(kinds)))  # a kind's steps together
+    assert ops == [dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.MIN], ops  # times, exposed, alone
+    assert got['first'] == {kind: (0.0, 10.0) for kind in kinds}  # the first warm-up step's loss and grad norm
+    # every kind timed on iterations 2-7, round r's step s in slot r * steps + s: seconds[kind] * (iteration + 1)
+    assert got['times'].tolist() == [[seconds[kind] * (i + 1) for i in range(2, 2 + rounds * steps)] for kind in kinds]
 
 
 @pytest.mark.parametrize('args, message', [
@@ -487,6 +583,31 @@ def test_bench_train_takes_turns_in_fresh_out_dirs_and_ratios_run_by_run(monkeyp
     rows = [[c.strip() for c in line.strip('|').split('|')] for line in capsys.readouterr().out.splitlines()
             if line.startswith('| zero')]
     assert rows[1][3] == '0.90x (0.90-0.90)' and rows[1][6] == '1.200x', rows
+
+
+def test_bench_train_reports_medians_so_one_slow_iteration_moves_nothing(monkeypatch, capsys):
+    # two runs of each variant, iterations 2-4 timed; stage 3's last iteration 10x slower than its others (a GC pause,
+    # a recompile): tok/s, step ms, MFU and the ratio to the baseline are medians, where a mean would say 0.63x. Peak
+    # memory: each variant's largest over its runs, against the baseline's largest (0.5 then 0.7 GiB; stage 3 0.6)
+    jobs = []
+
+    def fake_job(args, variant, nproc, out_dir):
+        slow = variant == ['--zero_stage=3']
+        jobs.append(slow)
+        tok = [900, 900, 90] if slow else [1000, 1000, 1000]
+        log = "world size 2 (gloo), device cpu, dtype float32\n" + ''.join(
+            f"iter {i}: loss 1.0, time {1e5 / t:.2f}ms, tok/s {t:,}, lr 1e-4, mfu {t / 100:.2f}%\n"
+            for i, t in zip(range(2, 5), tok))
+        return "iter 1: loss 1.0, time 1.00ms, tok/s 1, lr 1e-4, mfu 0.01%\n" + log, 0.6 if slow else 0.5 if len(jobs) == 1 else 0.7
+    monkeypatch.setattr(bench_train, 'run_job', fake_job)
+    args = argparse.Namespace(config='config/shakespeare_cpu.py', set=[], vary=['zero_stage=2,3'], runs=2, iters=4,
+                              warm=1, nproc=2)
+    bench_train.bench_train(args)
+    rows = [[c.strip() for c in line.strip('|').split('|')] for line in capsys.readouterr().out.splitlines()
+            if line.startswith('| zero')]
+    assert jobs == [False, True, True, False]
+    assert [r[1:] for r in rows] == [['1,000 (1,000-1,000)', '100.0', '1.00x (1.00-1.00)', '10.0%', '0.700', '1.000x'],
+                                     ['900 (292-900)', '111.1', '0.90x (0.90-0.90)', '9.0%', '0.600', '0.857x']], rows
 
 
 def test_on_cuda_bench_train_runs_a_rank_a_gpu_and_reports_max_memory_allocated(monkeypatch, capsys):
@@ -549,6 +670,11 @@ def test_bench_train_refuses_bad_input_before_any_job_in_one_line(monkeypatch):
                                   nproc=2)
         with pytest.raises(SystemExit, match=re.escape(message)):
             bench_train.bench_train(args)
+    # --warm=--iters leaves no iteration to time: refused before the first job, not found after it
+    args = argparse.Namespace(config='config/shakespeare_cpu.py', set=[], vary=['zero_stage=2,3'], runs=1, iters=3, warm=3,
+                              nproc=2)
+    with pytest.raises(SystemExit, match=re.escape('every job needs a timed iteration (warm < iters)')):
+        bench_train.bench_train(args)
 
 
 def test_two_nodes_of_one_rank_train_and_restart_as_one_node_of_two(tmp_path):
