@@ -16,6 +16,7 @@ import sys
 import torch
 
 import checkpoint
+import kernels
 import resume
 from model import GPT, GPTConfig
 
@@ -43,7 +44,10 @@ def full_state_dict(path, dtype=torch.float32):
     values = {}
     for p, name in names.items():
         value = frozen[name] if name in frozen else shards.read(name, 'master', 0, p.numel())
-        values[p] = value.view(p.shape).to(dtype)
+        # bf16: the training's own rounding of an fp32 master ([Note: one bf16 rounding rule] in kernels.py: ties away
+        # from zero), so the file holds the params a bf16 run computed with; a value already bf16 stays as it is
+        values[p] = (kernels.cast_param(value.view(p.shape).float(), dtype) if dtype == torch.bfloat16
+                     else value.view(p.shape).to(dtype))
     return {key: values[p] for key, p in model.state_dict(keep_vars=True).items()}, manifest
 
 

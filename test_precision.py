@@ -121,6 +121,20 @@ def test_a_checkpoint_carries_each_modes_state_exactly(mode):
     assert_same_run(resumed, straight, rtol=0, atol=0)
 
 
+JOBS.update({f'checkpoint fp32 master, stage {stage}': [dict(kind=f'zero{stage}', **BF16, **extra)
+                                                          for extra in ({}, {'resume_at': 4})] for stage in (1, 2)})
+
+
+@pytest.mark.parametrize('stage', [1, 2])
+def test_a_checkpoint_of_bf16_compute_with_an_fp32_master_resumes_bit_identically_at_stages_1_and_2(stage):
+    """The default precision with bf16 compute: the file holds the fp32 master alone (the bf16 params are its
+    rounding), so a resume at the same layout makes the rounding again. Stage 3 casts the master as it gathers; stages
+    1 and 2 gather the stored bf16 shard, which the load must write: left at its init, the first step after the
+    resume runs on the init's params everywhere."""
+    straight, resumed = results(f'checkpoint fp32 master, stage {stage}')
+    assert_same_run(resumed, straight, rtol=0, atol=0)
+
+
 JOBS.update({f'fp16 overflow, stage {stage}': [dict(kind=f'zero{stage}' if stage else 'ddp', param_dtype=torch.float16,
                                                      accum=4, steps=5, inf_at=2)] for stage in (0, 1, 2, 3)})
 
