@@ -25,6 +25,7 @@ import memory
 import train
 import zero
 from model import GPT, GPTConfig
+from test_comm import build, fake_world  # noqa: F401  fake_world: a fixture, for the tests below
 from test_train import torchrun
 from test_zero import TINY, run_ranks
 
@@ -154,23 +155,6 @@ def test_estimate_as_configured_equals_the_startup_table_of_a_real_two_rank_run(
             assert counted == pytest.approx(estimated[name][1] * padded / psi, rel=1e-12), (stage, name)
 
 
-@pytest.fixture
-def fake_rank0():
-    """join(world_size): rank 0 of world_size under torch's fake process group (no other rank, no gloo); destroyed
-    after the test."""
-    yield lambda world_size: dist.init_process_group('fake', rank=0, world_size=world_size, store=FakeStore())
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def fake_engine(stage, world_size, **zero_kw):
-    """test_comm's tiny GPT (odd vocab, biases) as an engine of rank 0 (call inside fake_rank0)."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=97, bias=True, dropout=0.0))
-    return zero.build_engine(model, zero.ZeroConfig(stage=stage, **zero_kw), units=list(model.transformer.h),
-                             device=torch.device('cpu'))
-
-
 PRECISIONS = [  # (param_dtype, reduce_dtype, master_weights, state_dtype): every storage pattern, both reduce dtypes
     *((torch.bfloat16, reduce, master, state) for reduce in (torch.float32, torch.bfloat16)
       for master in ('fp32', 'remainder', 'none') for state in ('float32', 'bfloat16', 'int8')),
@@ -178,15 +162,15 @@ PRECISIONS = [  # (param_dtype, reduce_dtype, master_weights, state_dtype): ever
     (torch.float16, torch.float32, 'fp32', 'float32')]
 
 
-def test_the_estimate_is_the_bytes_and_dtypes_counted_for_every_precision_mode_at_every_stage(fake_rank0):
+def test_the_estimate_is_the_bytes_and_dtypes_counted_for_every_precision_mode_at_every_stage(fake_world):
     """model_states (what `python zero.py estimate` and zero_stage='auto' trust) against counted_states (the bytes of
     the engine's own tensors, the startup table's "counted"), population by population, dtype and bytes, for every
     storage pattern of the optimizer and both reduce dtypes, at 3 ranks (Ψ divides by nothing): they differ by the
     pads alone. Before, only the default precision was compared (test_estimate_as_configured...)."""
-    fake_rank0(3)
+    fake_world(3)
     for stage, (param, reduce, master, state) in itertools.product((1, 2, 3), PRECISIONS):
         precision = kernels.Precision(master_weights=master, state_dtype=state)
-        engine = fake_engine(stage, 3, param_dtype=param, reduce_dtype=reduce, precision=precision)
+        engine = build(stage, param_dtype=param, reduce_dtype=reduce, precision=precision)  # test_comm's tiny GPT
         counted, estimated = memory.counted_states(engine), memory.model_states(stage, engine.psi, 3, engine.cfg)
         assert list(counted) == list(estimated) == ['params', 'grads', 'master', 'exp_avg', 'exp_avg_sq']
         pads = engine.flat_numel / engine.psi  # every population holds the padded flat layout (or its shard)
@@ -197,14 +181,14 @@ def test_the_estimate_is_the_bytes_and_dtypes_counted_for_every_precision_mode_a
 
 
 @pytest.mark.parametrize('stage', [1, 2, 3])
-def test_the_estimated_communication_is_what_a_step_sends_at_the_configured_dtypes_with_accumulation(fake_rank0, stage):
+def test_the_estimated_communication_is_what_a_step_sends_at_the_configured_dtypes_with_accumulation(fake_world, stage):
     """memory.communication (the estimate table's "sent per step, GB") against what Comm counts in a step of 3
     micro-steps at 4 ranks, bf16 params and fp32 reductions: stage 1 reduce-scatters once a step, stages 2/3 each
     micro-step (aΨ), all-gathers at the params' 2 bytes, reduce-scatters at the reduce dtype's 4. Stage 3's figure
     counts every unit's backward re-gather (2aΨ), an upper bound of what it sends (the root and last unit are kept)."""
     a, world = 3, 4
-    fake_rank0(world)
-    engine = fake_engine(stage, world, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fake_world(world)
+    engine = build(stage, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
     batches = [tuple(torch.randint(97, (2, 16), generator=gen) for _ in range(2)) for _ in range(a)]
     train.train_step(engine, batches, 1e-3, nullcontext())  # warm-up: stage 3 learns its forward order
