@@ -464,7 +464,8 @@ class Zero2(Zero1):
         # one cat writes every grad, cast to reduce_dtype, and the pads: no zero-fill pass, not a copy per param
         b.flat_grad = torch.empty(b.padded_numel, dtype=self.cfg.reduce_dtype, device=self.device)
         grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in b.params]  # None: flush
-        torch.cat(grads + [b.flat_grad.new_zeros(b.padded_numel - b.numel)], out=b.flat_grad)
+        pad = [b.flat_grad.new_zeros(b.padded_numel - b.numel)] if b.padded_numel > b.numel else []
+        torch.cat(grads + pad, out=b.flat_grad)
         for p in b.params:
             p.grad = None
         self.live_grad_buffers += 1
