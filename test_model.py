@@ -56,6 +56,32 @@ def test_chunked_loss_head_equals_the_plain_head_loss_and_grads(monkeypatch, chu
         torch.testing.assert_close(model(idx, targets)[1], ref_loss, rtol=1e-6, atol=0)
 
 
+def test_the_heads_loop_dispatches_15_ops_a_chunk():
+    """[Note: chunked loss head]: eager on a GPU every op in the chunk loop is a launch the host makes once a chunk, and
+    the host set the pace of an eager GPT-2 micro-step (assets/gpu_h200.md, "The sixth GPU pass"). Counted as torch
+    dispatches them, under bf16 autocast as training runs: each chunk more costs 15 ops (14 kernels and the weight
+    grad's transpose, a view); what is per row is made once for the batch. The loop before took 32 a chunk."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(256, 16, requires_grad=True), torch.randn(97, 16, requires_grad=True)
+    targets = torch.randint(97, (256,))
+    targets[:5] = -1
+    counts = []
+    for rows in (128, 32):  # 2 chunks, then 8
+        Count.n = 0
+        with torch.autocast('cpu', dtype=torch.bfloat16), Count():
+            model_module.linear_cross_entropy(x, w, targets, rows)
+        counts.append(Count.n)
+    assert (counts[1] - counts[0]) / 6 == 15, counts
+
+
 def test_init_loss_is_about_ln_vocab():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=50304))
