@@ -255,9 +255,9 @@ class GPT(nn.Module):
 # output, and stays below fp16's 65504 unless the head's inputs pass 256. The FLOPs are those of the plain head (one matmul forward, two backward), nothing is recomputed; what is
 # saved for backward is the grad of x (B*T x C) and of the weight (vocab x C, fp32), not B*T x vocab. Under
 # no_grad (evaluation) only the loss is computed. The same head for every stage and for the oracles (torch DDP,
-# FSDP2 run this file too). Each op in the chunk loop runs once a chunk (GPT-2's 12 x 1024 tokens: 39 chunks), and
-# eager on a GPU each is a kernel the host launches: the loop was over half of a micro-step's launches, and the host,
-# not the GPU, set the pace of eager training. So what does not change with the chunk is made once for the batch (the
+# FSDP2 run this file too). Each op in the chunk loop runs once a chunk (GPT-2's 12 x 1024 tokens: 39 chunks), and eager
+# on a GPU each is a kernel the host launches: the loop made near half of a micro-step's launches, and the host, not the
+# GPU, could set the pace of eager training. So what does not change with the chunk is made once for the batch (the
 # targets' columns, their masks, the transposed weight), each chunk writes its logsumexp and target logit into
 # batch-long buffers that give the loss in one reduction after the loop, and the one-hot's -1 is one scatter_add_: 14
 # launches a chunk, not 21, and half as many dispatched ops (609, not 1254, for GPT-2's head, counted by a
