@@ -260,8 +260,8 @@ class GPT(nn.Module):
 # GPU, could set the pace of eager training. So what does not change with the chunk is made once for the batch (the
 # targets' columns, their masks, the transposed weight), each chunk writes its logsumexp and target logit into
 # batch-long buffers that give the loss in one reduction after the loop, and the one-hot's -1 is one scatter_add_: 14
-# launches a chunk, not 21, and half as many dispatched ops (609, not 1254, for GPT-2's head, counted by a
-# TorchDispatchMode).
+# launches a chunk, not 22, and half as many dispatched ops (609, not 1254, for GPT-2's head with a bf16 weight, counted
+# by a TorchDispatchMode; test_model.py counts them).
 LOSS_CHUNK = 2**24  # logits per chunk (64 MiB in fp32): GPT-2's vocab -> 320 rows a chunk
 
 
@@ -269,6 +269,7 @@ def loss_chunk_rows(vocab_size):
     return max(64, LOSS_CHUNK // vocab_size // 64 * 64)  # a multiple of 64 rows, for the matmuls
 
 
+@torch.no_grad()  # it computes its own grads: nothing in it is for autograd
 def chunked_cross_entropy(x, weight, targets, rows, grads):
     """x (N, C), weight (V, C), targets (N,) -> (mean loss over targets != -1, fp32; the count of those targets; and
     with grads=True the grads of the summed loss with respect to x (N, C, x's dtype) and weight (V, C, fp32): divided
