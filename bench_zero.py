@@ -201,6 +201,32 @@ class CommClock:
         return call
 
 
+class Marks:
+    """[Note: does the GPU wait on the host?] From construction to lag(), each micro-step's start (train.train_step
+    calls set_grad_sync before every forward) records the host's clock and a timing event on the current stream. Once
+    the step is synced, lag() is how far the device ran behind the host at the last micro-step: the device's time from
+    the first event to the last, less the host's. ~0: each micro-step's work reached an idle GPU, which waited on the
+    host (the host's work sets the step time, and a kind's extra host work shows in full); tens of ms: the host queued
+    work ahead (GPU-bound: extra host work hides). Eager GPT-2 124M on an H200 sits between the two
+    (assets/gpu_h200.md, "The sixth GPU pass"); .ci/stage3_diag.py --parts C prints the lag at every micro-step."""
+
+    def __init__(self, engine, event):
+        self.engine, self.event, self.marks, self.real = engine, event, [], engine.set_grad_sync
+        engine.set_grad_sync = self.mark  # shadows the method until lag() deletes it
+
+    def mark(self, sync):
+        e = self.event(enable_timing=True)
+        e.record()
+        self.marks.append((time.perf_counter(), e))
+        self.real(sync)
+
+    def lag(self):
+        """(ms the device ran behind the host at the last micro-step, micro-steps marked); the events done (synced)."""
+        del self.engine.set_grad_sync
+        (h0, e0), (h1, e1) = self.marks[0], self.marks[-1]
+        return e0.elapsed_time(e1) - (h1 - h0) * 1e3, len(self.marks)
+
+
 def transient_bytes(engine):
     """Our buffers that live only during forward/backward: stage 2/3 bucket grad buffers, stage 3 unsharded
     units (a resharded unit's storage is resized to 0), less the shards gathered units free while gathered."""
@@ -309,6 +335,15 @@ def bench_zero(args):
                 alone[k, r] = time.perf_counter() - t0
                 dist.barrier()
 
+    lags = {}  # CUDA: one more step a kind, untimed, marked at each micro-step ([Note: does the GPU wait on the host?])
+    if device.type == 'cuda':
+        iteration = draw(1)[0]
+        for kind, engine in engines.items():
+            marks = Marks(engine, torch.cuda.Event)
+            step(engine, iteration)
+            sync()
+            lags[kind] = marks.lag()
+
     # a step lasts as long as its slowest rank. Blocked time also counts waiting for a rank still computing:
     # the rank blocked least waited least for the other, its blocked time is closest to the comm's own
     for t, op in ((times, dist.ReduceOp.MAX), (exposed, dist.ReduceOp.MIN), (alone, dist.ReduceOp.MIN)):
@@ -322,7 +357,7 @@ def bench_zero(args):
     every = torch.empty(world_size * mine.shape[0], 3, dtype=torch.float64, device=device)
     comm.ALL_GATHER(every, mine)
     if rank == 0:
-        report(args, cfg, engines, first, sent, times, exposed, alone, pops, every.cpu().view(world_size, -1, 3))
+        report(args, cfg, engines, first, sent, times, exposed, alone, pops, every.cpu().view(world_size, -1, 3), lags)
     engine = None  # the engines go before the group does (FSDP2's params hold its mesh): [Note: the end of a run]
     engines.clear()
     comm.end_process_group(device, mine, every)
@@ -338,7 +373,10 @@ NOTES = """\
 - exposed: time blocked in zero.Comm collectives (the rank blocked least); alone: the same collectives replayed
   without compute; hidden = 1 - exposed / alone. '–': not measured (torch's collectives run inside DDP/FSDP2;
   on CUDA, exposed time is not the host's: wait() only orders streams; at world size 1 comm copies in place of a
-  collective, nothing to overlap)."""
+  collective, nothing to overlap).
+- the GPU behind the host (CUDA, 2+ micro-steps a rank; one more step a kind, untimed): ~0 ms, the GPU waited on
+  the host, whose work then sets the step time; tens of ms, the host ran ahead (bench_zero [Note: does the GPU wait
+  on the host?])."""
 
 
 def references(kind):
@@ -353,7 +391,7 @@ def paired_ratio(times, ref):
     return (times / ref).quantile(QUARTILES).tolist()
 
 
-def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):
+def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every, lags):
     kinds, (world_size, K) = list(engines), (every.shape[0], len(engines))
     psi = engines[kinds[0]].psi
     p25, median, p75 = times.quantile(QUARTILES, dim=1)  # (K,) seconds each
@@ -407,6 +445,8 @@ def report(args, cfg, engines, first, sent, times, exposed, alone, pops, every):
             live, per_unit = engine.units[0].schedule.peak_live, engine.cfg.blocks_per_unit
             line += (f", {live} unsharded unit{'s' * (live != 1)} (up to {per_unit} block{'s' * (per_unit > 1)} each)"
                      " + the root")
+        if lags.get(kind, (0, 0))[1] > 1:
+            line += f"; the GPU {lags[kind][0]:.1f} ms behind the host at micro-step {lags[kind][1]}"
         print(f"  {kind:<20} {line}")
     rss = ', '.join(f"rank {r} {every[r, K, 0] / MB:.0f}" for r in range(world_size))
     print(f"peak RSS MB: {rss}. Every kind lives in each process: their model states (rank 0: "

@@ -389,6 +389,42 @@ def test_bench_zero_runs_every_kind_from_the_same_first_step():
     assert loss_spread <= 1e-6 * loss and norm_spread < 1e-4 * norm, out.stdout[:600]
 
 
+def test_bench_zeros_marks_give_the_gpus_lag_behind_the_host_at_the_last_micro_step(monkeypatch):
+    """bench_zero [Note: does the GPU wait on the host?] with CPU stand-ins for the CUDA event and the host's clock:
+    each micro-step's set_grad_sync is marked and still reaches the engine, and lag() is the device's time from the first
+    mark to the last less the host's; then the engine's own method is back. (test_gpu.py runs it with CUDA events.)"""
+    import bench_zero
+
+    class Engine:
+        def __init__(self):
+            self.syncs = []
+
+        def set_grad_sync(self, sync):
+            self.syncs.append(sync)
+
+    for host, device, lag in (([0.0, 0.001, 0.002], [0.0, 50.0, 100.0], 98.0),  # GPU-bound: the host 98 ms ahead
+                              ([0.0, 0.050, 0.100], [0.5, 50.5, 100.5], 0.0)):  # host-bound: each mark met an idle GPU
+        clock, times = iter(host), iter(device)
+
+        class Event:  # torch.cuda.Event's interface: the device's time of each record, in ms
+            def __init__(self, enable_timing):
+                assert enable_timing
+
+            def record(self):
+                self.t = next(times)
+
+            def elapsed_time(self, end):
+                return end.t - self.t
+        monkeypatch.setattr(bench_zero.time, 'perf_counter', lambda: next(clock))
+        engine = Engine()
+        marks = bench_zero.Marks(engine, Event)
+        for sync in (False, False, True):  # train.train_step: before each micro-step's forward
+            engine.set_grad_sync(sync)
+        got, n = marks.lag()
+        assert engine.syncs == [False, False, True] and n == 3 and got == pytest.approx(lag)
+        assert engine.set_grad_sync.__func__ is Engine.set_grad_sync  # unmarked again
+
+
 def test_no_function_imports_a_dotted_module_that_would_shadow_its_package():
     # `import torch.distributed.optim` inside a function binds `torch` as that function's local: every use of torch
     # in it (and in its closures) fails with NameError whenever the import did not run. bench.py zero had one under
@@ -473,10 +509,12 @@ def test_bench_zero_report_puts_each_kinds_ratios_and_memory_in_its_own_row(monk
     pops = {kind: {'params': every[0, k, 0].item()} for k, kind in enumerate(kinds)}
     monkeypatch.setattr(bench_zero.dist, 'get_backend', lambda: 'gloo')
     cfg = {**train.parse_config([]), 'device': 'cpu', 'dtype': 'float32'}
+    lags = {'ddp': (25.04, 2), 'zero2': (0.31, 2), 'fsdp2': (7.0, 1)}  # a CUDA run's (one micro-step: nothing to say)
     bench_zero.report(argparse.Namespace(rounds=rounds, steps=steps), cfg, engines, {k: (1.0, 1.0) for k in kinds},
-                      {k: {} for k in kinds}, times, exposed, alone, pops, every)
+                      {k: {} for k in kinds}, times, exposed, alone, pops, every, lags)
+    out = capsys.readouterr().out
     rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip('|').split('|')]
-                                              for line in capsys.readouterr().out.splitlines() if line.startswith('| '))}
+                                              for line in out.splitlines() if line.startswith('| '))}
     assert [rows[k][1] for k in kinds] == ['1.00x (1.00-1.00)', '1.20x (1.20-1.20)', '1.10x (1.10-1.10)',
                                            '1.10x (1.10-1.10)', '1.21x (1.21-1.21)'], rows  # kind / ddp, round by round
     assert rows['zero3'][2] == '1.00x (1.00-1.00) fsdp2, 0.92x (0.92-0.92) zero2', rows  # vs its torch counterparts
@@ -486,6 +524,11 @@ def test_bench_zero_report_puts_each_kinds_ratios_and_memory_in_its_own_row(monk
     assert [rows[k][4] for k in kinds] == ['–', '0.5 (0.6)', '0.7 (0.8)', '–', '0.0 (0.0)'], rows  # transient (bound)
     # exposed ms (of the median step: 36 and 66 ms), alone, hidden = 1 - exposed / alone
     assert [rows[k][5:] for k in ('zero2', 'zero3')] == [['3.0 (8%)', '4.0', '25%'], ['3.0 (5%)', '4.0', '25%']], rows
+    # the GPU's lag behind the host, on each kind's own line ([Note: does the GPU wait on the host?]), where measured
+    said = {line.split()[0]: line for line in out.splitlines() if line.startswith('  ')}
+    assert said['ddp'].endswith('; the GPU 25.0 ms behind the host at micro-step 2'), said
+    assert said['zero2'].endswith('; the GPU 0.3 ms behind the host at micro-step 2'), said
+    assert 'behind the host' not in said['zero3'] + said['fsdp2'], said
 
 
 def test_bench_zero_times_each_kind_in_rotating_turns_after_its_warm_up(monkeypatch):
