@@ -202,27 +202,26 @@ class CommClock:
 
 
 class Marks:
-    """[Note: does the GPU wait on the host?] From construction to lag(), each micro-step's start (train.train_step
-    calls set_grad_sync before every forward) records the host's clock and a timing event on the current stream. Once
+    """[Note: does the GPU wait on the host?] From construction to lag(), each forward of the module (a micro-step's
+    start; as .ci/stage3_diag.py marks them) records the host's clock and a timing event on the current stream. Once
     the step is synced, lag() is how far the device ran behind the host at the last micro-step: the device's time from
     the first event to the last, less the host's. ~0: each micro-step's work reached an idle GPU, which waited on the
     host (the host's work sets the step time, and a kind's extra host work shows in full); tens of ms: the host queued
     work ahead (GPU-bound: extra host work hides). Eager GPT-2 124M on an H200 sits between the two
     (assets/gpu_h200.md, "The sixth GPU pass"); .ci/stage3_diag.py --parts C prints the lag at every micro-step."""
 
-    def __init__(self, engine, event):
-        self.engine, self.event, self.marks, self.real = engine, event, [], engine.set_grad_sync
-        engine.set_grad_sync = self.mark  # shadows the method until lag() deletes it
+    def __init__(self, module, event):
+        self.event, self.marks = event, []
+        self.handle = module.register_forward_pre_hook(self.mark)
 
-    def mark(self, sync):
+    def mark(self, *_):
         e = self.event(enable_timing=True)
         e.record()
         self.marks.append((time.perf_counter(), e))
-        self.real(sync)
 
     def lag(self):
         """(ms the device ran behind the host at the last micro-step, micro-steps marked); the events done (synced)."""
-        del self.engine.set_grad_sync
+        self.handle.remove()
         (h0, e0), (h1, e1) = self.marks[0], self.marks[-1]
         return e0.elapsed_time(e1) - (h1 - h0) * 1e3, len(self.marks)
 
@@ -339,7 +338,7 @@ def bench_zero(args):
     if device.type == 'cuda':
         iteration = draw(1)[0]
         for kind, engine in engines.items():
-            marks = Marks(engine, torch.cuda.Event)
+            marks = Marks(engine.module, torch.cuda.Event)
             step(engine, iteration)
             sync()
             lags[kind] = marks.lag()

@@ -391,16 +391,9 @@ def test_bench_zero_runs_every_kind_from_the_same_first_step():
 
 def test_bench_zeros_marks_give_the_gpus_lag_behind_the_host_at_the_last_micro_step(monkeypatch):
     """bench_zero [Note: does the GPU wait on the host?] with CPU stand-ins for the CUDA event and the host's clock:
-    each micro-step's set_grad_sync is marked and still reaches the engine, and lag() is the device's time from the first
-    mark to the last less the host's; then the engine's own method is back. (test_gpu.py runs it with CUDA events.)"""
+    each micro-step's forward is marked, and lag() is the device's time from the first mark to the last less the
+    host's; then the module is unmarked. (test_gpu.py runs it with CUDA events.)"""
     import bench_zero
-
-    class Engine:
-        def __init__(self):
-            self.syncs = []
-
-        def set_grad_sync(self, sync):
-            self.syncs.append(sync)
 
     for host, device, lag in (([0.0, 0.001, 0.002], [0.0, 50.0, 100.0], 98.0),  # GPU-bound: the host 98 ms ahead
                               ([0.0, 0.050, 0.100], [0.5, 50.5, 100.5], 0.0)):  # host-bound: each mark met an idle GPU
@@ -416,13 +409,13 @@ def test_bench_zeros_marks_give_the_gpus_lag_behind_the_host_at_the_last_micro_s
             def elapsed_time(self, end):
                 return end.t - self.t
         monkeypatch.setattr(bench_zero.time, 'perf_counter', lambda: next(clock))
-        engine = Engine()
-        marks = bench_zero.Marks(engine, Event)
-        for sync in (False, False, True):  # train.train_step: before each micro-step's forward
-            engine.set_grad_sync(sync)
+        module = torch.nn.Identity()
+        marks = bench_zero.Marks(module, Event)
+        for micro in range(3):  # train.train_step: a forward a micro-step
+            assert module(torch.tensor(micro)) == micro
         got, n = marks.lag()
-        assert engine.syncs == [False, False, True] and n == 3 and got == pytest.approx(lag)
-        assert engine.set_grad_sync.__func__ is Engine.set_grad_sync  # unmarked again
+        assert n == 3 and got == pytest.approx(lag)
+        module(torch.tensor(0))  # unmarked: no fourth record (the stand-in clock has no fourth time)
 
 
 def test_no_function_imports_a_dotted_module_that_would_shadow_its_package():
