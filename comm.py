@@ -318,9 +318,11 @@ def let_go_of_dtensor_caches():
             clear()
     gc.collect()
     DeviceMesh = getattr(sys.modules.get('torch.distributed.device_mesh'), 'DeviceMesh', None)
+    if DeviceMesh is None:
+        return
     # (by the type's mro, not isinstance: DeviceMesh's metaclass asks each object for its __class__, and some of
     # torch's objects warn when asked)
-    for mesh in (obj for obj in gc.get_objects() if DeviceMesh is not None and DeviceMesh in type(obj).__mro__):
+    for mesh in (obj for obj in gc.get_objects() if DeviceMesh in type(obj).__mro__):
         getattr(mesh, '_pg_registry', {}).clear()  # (torch 2.11: nothing else lets go of the mesh)
 
 
