@@ -36,7 +36,7 @@ static int adamw_range(const AdamWArgs& args, int64_t begin, int64_t end, float 
 struct CodeMap {
   __m512i planes[4][4], mid_planes[4][4];
   __m512i order;  // byte 16 L + 4 q + e <- index 16 q + 4 L + e: undoes the interleave's order (lookup)
-  __m512 switch_lo, switch_hi, slope, offset;  // switch: by binade, 2 x 16; slope, offset: by decade and sign
+  __m512i fraction_switch, a[2], b[2];  // 16-bit lanes: by binade (32); by binade, above its switch or not (64)
 };
 
 static void to_planes(const float* table, __m512i (&planes)[4][4]) {
@@ -50,44 +50,54 @@ static void to_planes(const float* table, __m512i (&planes)[4][4]) {
 // estimates each code k from xn's decade, then settles it with one exact compare against midpoint k, looked up like
 // a decode: code = k + (xn > midpoints[k]), which is the reference's count of midpoints below xn whenever the true
 // code is k or k + 1. Within a decade of the dynamic map (values in [0.1, 1) * 10^-z) the values are evenly spaced,
-// d = 0.9 * 10^-z / (their number), so u = c + (|xn| - v) / d (v the decade's first value, c its code; mirrored for
-// negatives) is the code as a real number: the true code is round(u), and k = round(u - 0.5) is within one below it.
-// The decade comes from xn's binade (its exponent, a 32-entry permute) and one compare with the last value of the
-// decade below, the only switch a binade can hold; the decade at the binade's bottom rides in the switch's low 3 bits
-// (a switch a few ulps off moves u by far less than its slack; a binade without a switch holds a NaN). u < 0 gives 0;
-// a NaN u, and u past 255, give 255 (unsigned conversion, then bytes saturated), and the settle's add saturates too:
-// midpoint 255 is inf, so only a NaN xn passes it, and stays 255. The unsigned map (exp_avg_sq) has no negatives to
-// mirror: its xn < 0 is estimated as 0, code 0. Checked, while written, for every fp32 xn in [-1, 1] and NaN, both
-// maps, by a checker not kept in the repository; test_kernels.py checks a dense subset through the kernel.
+// d = 0.9 * 10^-z / (their number), so t = c + (y - v) / d (y = |xn|, v the decade's first value, c its code) is
+// the code as a real number: the true code is round(t), and k = floor(t) is within one below it. The estimate runs
+// in 16-bit lanes, 32 values a vector (half the instructions of fp32 lanes): within a binade [2^e, 2^(e+1)), y =
+// 2^e (1 + F / 2^16 + less), F the top 16 of its 23 fraction bits, so t = (A + B F / 2^16) / 256 in 8.8 fixed point,
+// A and B the binade's line, looked up by its exponent (a 64-entry word permute), and k = (A + mulhi(B, F)) >> 8;
+// A rounded down and B up, the error is within +-2/256 of a code. A binade holds at most one switch between decades,
+// the last value of the decade below; an F above the switch's F takes the line above (a switch equal in F to y takes
+// the line below, which is still within one there). Binade 0 holds everything below 2^-30, all of which take the code
+// of 0 (a constant line, B = 0); binade 31, [1, 2), holds 1 and the NaNs (their exponent is 255, the same low 5 bits):
+// 255, and the settle's add saturates too: midpoint 255 is inf, so only a NaN xn passes it, and stays 255. Negatives
+// mirror positives in the signed map (value j = -value 254 - j, so midpoint j = -midpoint 253 - j): xn < 0 takes
+// 253 - k of y, saturated at 0 (a NaN is not < 0). The unsigned map (exp_avg_sq) has no negatives: y = max(0, xn).
+// Checked for every fp32 xn in [-1, 1] and every NaN, both maps, against the buckets ([Note: a code in one load]):
+// `python .ci/encode_check.py` (2.1G values a map, 0 mismatches; ~5 s); test_kernels.py checks a dense subset
+// through the kernel.
 static void decades(const float* map, CodeMap& c) {
   const double tenth[7] = {1, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6};
-  double first[7] = {}, count[7] = {}, last[7] = {}; int first_code[7] = {}, neg_code[7] = {}; bool neg[7] = {};
+  double first[7] = {}, count[7] = {}, last[7] = {}; int first_code[7] = {}, zero_code = 0;
   for (int j = 0; j < 256; ++j) {
-    const double v = fabs((double)map[j]);
-    if (!(v > 0.0 && v < 1.0)) continue;  // 0 and 1 lie on no decade
+    const double v = map[j];
+    if (v == 0.0) zero_code = j;
+    if (!(v > 0.0 && v < 1.0)) continue;  // 0, 1 and the negatives lie on no decade
     int z = 0;
     while (z < 6 && v < tenth[z + 1]) ++z;  // v in [10^-(z+1), 10^-z)
-    if (map[j] > 0) { if (count[z]++ == 0) { first[z] = v; first_code[z] = j; } last[z] = v; }
-    else { neg[z] = true; neg_code[z] = j; }  // the last negative of the decade: the smallest |v|
+    if (count[z]++ == 0) { first[z] = v; first_code[z] = j; }
+    last[z] = v;
   }
-  alignas(64) float slope[16], offset[16], sw[32];
-  for (int z = 0; z < 8; ++z) {
-    const double d = z < 7 ? 0.9 * tenth[z] / count[z] : 1.0;
-    slope[z] = z < 7 ? (float)(1 / d) : 0.0f;  offset[z] = z < 7 ? (float)(first_code[z] - 0.5 - first[z] / d) : -1.0f;
-    slope[8 + z] = z < 7 && neg[z] ? (float)(-1 / d) : 0.0f;
-    offset[8 + z] = z < 7 && neg[z] ? (float)(neg_code[z] - 0.5 + first[z] / d) : -1.0f;
-  }
-  for (int i = 0; i < 32; ++i) {  // binade [2^(i - 31), 2^(i - 30)); below it, binade 0
+  auto line = [&](int z, double lo, uint16_t& a, uint16_t& b) {  // decade z's t over the binade [lo, 2 lo); 7: the code of 0
+    const double slope = z < 7 ? count[z] / (0.9 * tenth[z]) : 0.0, offset = z < 7 ? first_code[z] - first[z] * slope : zero_code;
+    a = (uint16_t)std::clamp(std::floor(256 * (slope * lo + offset)), 0.0, 65535.0);
+    b = (uint16_t)std::ceil(256 * slope * lo);  // < 2^16: a binade holds fewer than 256 codes
+  };
+  alignas(64) uint16_t fraction_switch[32], a[64], b[64];  // a[i], b[i]: above binade i's switch; a[32 + i]: below
+  for (int i = 0; i < 32; ++i) {  // binade [2^(i - 31), 2^(i - 30))
     const double lo = ldexp(1.0, i - 31), hi = 2 * lo;
-    uint32_t decade = 6, at = 0x7FC00000u;  // no switch: a quiet NaN, never exceeded
-    for (int z = 0; z < 6; ++z) {  // above the last value of decade z + 1: decade z
-      if (last[z + 1] < lo) decade = std::min(decade, (uint32_t)z);
-      else if (last[z + 1] < hi) at = bits_of((float)last[z + 1]);
+    int below = 6, above = 7;  // y above the last value of decade z + 1: decade z
+    for (int z = 5; z >= 0; --z) if (last[z + 1] < lo) below = z;
+    fraction_switch[i] = 0xFFFF;  // no switch: never exceeded
+    for (int z = 0; z < 6; ++z) if (last[z + 1] >= lo && last[z + 1] < hi) {
+      above = z;
+      fraction_switch[i] = (uint16_t)(bits_of((float)last[z + 1]) >> 7);
     }
-    sw[i] = float_of((at & ~7u) | decade);
+    line(i == 0 ? 7 : below, lo, a[32 + i], b[32 + i]);
+    line(above == 7 ? below : above, lo, a[i], b[i]);
+    if (i == 31) a[i] = a[32 + i] = 65535, b[i] = b[32 + i] = 0;
   }
-  c.slope = _mm512_load_ps(slope); c.offset = _mm512_load_ps(offset);
-  c.switch_lo = _mm512_load_ps(sw); c.switch_hi = _mm512_load_ps(sw + 16);
+  c.fraction_switch = _mm512_load_si512(fraction_switch);
+  for (int h = 0; h < 2; ++h) c.a[h] = _mm512_load_si512(a + 32 * h), c.b[h] = _mm512_load_si512(b + 32 * h);
 }
 
 static CodeMap code_map(const float* map) {
@@ -129,16 +139,24 @@ static void decode(const uint8_t* codes, const CodeMap& map, float absmax, float
 }
 
 template <bool is_signed>
-static __m512i estimate(__m512 xn, const CodeMap& map) {  // [Note: a code from its decade]
-  const __m512 y = is_signed ? _mm512_abs_ps(xn) : _mm512_max_ps(_mm512_setzero_ps(), xn);  // unsigned: < 0 is code 0
-  const __m512i binade = _mm512_max_epi32(_mm512_srli_epi32(_mm512_castps_si512(y), 23), _mm512_set1_epi32(96));
-  const __m512 sw = _mm512_permutex2var_ps(map.switch_lo, binade, map.switch_hi);  // the low 5 bits index
-  __m512i decade = _mm512_and_si512(_mm512_castps_si512(sw), _mm512_set1_epi32(7));
-  decade = _mm512_mask_sub_epi32(decade, _mm512_cmp_ps_mask(y, sw, _CMP_GT_OQ), decade, _mm512_set1_epi32(1));
-  if (is_signed)  // negatives: the mirrored decades, 8 on
-    decade = _mm512_mask_add_epi32(decade, _mm512_movepi32_mask(_mm512_castps_si512(xn)), decade, _mm512_set1_epi32(8));
-  __m512 u = _mm512_fmadd_ps(y, _mm512_permutexvar_ps(decade, map.slope), _mm512_permutexvar_ps(decade, map.offset));
-  return _mm512_cvtps_epu32(_mm512_max_ps(_mm512_setzero_ps(), u));  // max keeps a NaN u (its second operand)
+static __m256i estimate(__m512 x0, __m512 x1, const CodeMap& map) {  // 32 codes k: [Note: a code from its decade]
+  if (!is_signed) x0 = _mm512_max_ps(_mm512_setzero_ps(), x0), x1 = _mm512_max_ps(_mm512_setzero_ps(), x1);  // NaN stays
+  const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                       31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);  // the high halves
+  const __m512i b0 = _mm512_castps_si512(x0), b1 = _mm512_castps_si512(x1);
+  const __m512i high = _mm512_permutex2var_epi16(b0, odd, b1);  // sign, exponent, 7 fraction bits
+  const __m512i f = _mm512_permutex2var_epi16(_mm512_slli_epi32(b0, 9), odd, _mm512_slli_epi32(b1, 9));  // F
+  const __m512i e = _mm512_max_epu16(_mm512_srli_epi16(_mm512_slli_epi16(high, 1), 8), _mm512_set1_epi16(96));
+  const __mmask32 up = _mm512_cmpgt_epu16_mask(f, _mm512_permutexvar_epi16(e, map.fraction_switch));  // e's low 5 bits
+  const __m512i line = _mm512_mask_sub_epi16(e, up, e, _mm512_set1_epi16(32));  // low 6 bits: 32 + binade, or binade
+  const __m512i a = _mm512_permutex2var_epi16(map.a[0], line, map.a[1]), b = _mm512_permutex2var_epi16(map.b[0], line, map.b[1]);
+  __m512i k = _mm512_srli_epi16(_mm512_adds_epu16(a, _mm512_mulhi_epu16(b, f)), 8);
+  if (is_signed) {
+    const __mmask32 negative = _mm512_kunpackw(_mm512_cmp_ps_mask(x1, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                               _mm512_cmp_ps_mask(x0, _mm512_setzero_ps(), _CMP_LT_OQ));
+    k = _mm512_mask_subs_epu16(k, negative, _mm512_set1_epi16(253), k);
+  }
+  return _mm512_cvtepi16_epi8(k);
 }
 
 template <bool is_signed>
@@ -146,13 +164,9 @@ static void encode(const float* x, float scale, const CodeMap& map, uint8_t* cod
   const __m512 s = _mm512_set1_ps(scale);
   for (int j = 0; j < 256; j += 64) {
     __m512 xn[4], mid[4];
-    __m128i k[4];
-    for (int q = 0; q < 4; ++q) {
-      xn[q] = _mm512_div_ps(_mm512_load_ps(x + j + 16 * q), s);
-      k[q] = _mm512_cvtusepi32_epi8(estimate<is_signed>(xn[q], map));  // saturated: 255 at most
-    }
-    const __m512i ks = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(k[1], k[0])),
-                                          _mm256_set_m128i(k[3], k[2]), 1);
+    for (int q = 0; q < 4; ++q) xn[q] = _mm512_div_ps(_mm512_load_ps(x + j + 16 * q), s);
+    const __m512i ks = _mm512_inserti64x4(_mm512_castsi256_si512(estimate<is_signed>(xn[0], xn[1], map)),
+                                          estimate<is_signed>(xn[2], xn[3], map), 1);
     lookup(map.mid_planes, map.order, ks, mid);
     __mmask16 above[4];  // xn > midpoint k, or NaN
     for (int q = 0; q < 4; ++q) above[q] = _mm512_cmp_ps_mask(xn[q], mid[q], _CMP_NLE_UQ);
