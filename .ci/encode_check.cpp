@@ -1,6 +1,6 @@
 // Every fp32 xn in [-1, 1] and every NaN, both code maps: the CPU kernel's encode (csrc/adamw_cpu.cpp, [Note: a code
 // from its decade]) gives the code the buckets give ([Note: a code in one load], exact by kernels._buckets' check).
-// Run by .ci/encode_check.py, which writes the tables and compiles this with the library's CPU flags.
+// Run by `python .ci/cpu_kernel.py check`, which writes the tables and compiles this with the library's CPU flags.
 #include "../csrc/adamw_cpu.cpp"
 #include <cstdio>
 #include <vector>

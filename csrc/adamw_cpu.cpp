@@ -63,7 +63,7 @@ static void to_planes(const float* table, __m512i (&planes)[4][4]) {
 // mirror positives in the signed map (value j = -value 254 - j, so midpoint j = -midpoint 253 - j): xn < 0 takes
 // 253 - k of y, saturated at 0 (a NaN is not < 0). The unsigned map (exp_avg_sq) has no negatives: y = max(0, xn).
 // Checked for every fp32 xn in [-1, 1] and every NaN, both maps, against the buckets ([Note: a code in one load]):
-// `python .ci/encode_check.py` (2.1G values a map, 0 mismatches; ~5 s); test_kernels.py checks a dense subset
+// `python .ci/cpu_kernel.py check` (2.1G values a map, 0 mismatches; ~5 s); test_kernels.py checks a dense subset
 // through the kernel.
 static void decades(const float* map, CodeMap& c) {
   const double tenth[7] = {1, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6};
