@@ -1,6 +1,6 @@
 // The CPU kernel's step in cache, one thread, no Python in the way: ns an element for the fp32-master step and the
-// three int8 modes (fp32 grads, 64K elements, the best of 400 calls). Run by `python .ci/cpu_kernel.py time`; add
-// -DNAME flags there (after --) to time a variant of csrc/ built with them.
+// three int8 modes (fp32 grads, 64K elements, the best of 400 calls). Run by `python .ci/cpu_kernel.py time`; compiler
+// flags after `time` (e.g. -DNAME) build a variant of csrc/ under #ifdef NAME.
 #include "../csrc/adamw_cpu.cpp"
 #include <chrono>
 #include <cstdio>

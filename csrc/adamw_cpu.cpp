@@ -55,10 +55,10 @@ static void to_planes(const float* table, __m512i (&planes)[4][4]) {
 // in 16-bit lanes, 32 values a vector (half the instructions of fp32 lanes): within a binade [2^e, 2^(e+1)), y =
 // 2^e (1 + F / 2^16 + less), F the top 16 of its 23 fraction bits, so t = (A + B F / 2^16) / 256 in 8.8 fixed point,
 // A and B the binade's line, looked up by its exponent (a 64-entry word permute), and k = (A + mulhi(B, F)) >> 8;
-// A rounded down and B up, the error is within +-2/256 of a code. A binade holds at most one switch between decades,
+// A rounded down and B up, k errs by -3/256 to +1/256 of a code (-2.04/256 to +0.85/256 over every y). A binade holds at most one switch between decades,
 // the last value of the decade below; an F above the switch's F takes the line above (a switch equal in F to y takes
 // the line below, which is still within one there). Binade 0 holds everything below 2^-30, all of which take the code
-// of 0 (a constant line, B = 0); binade 31, [1, 2), holds 1 and the NaNs (their exponent is 255, the same low 5 bits):
+// of zero (127 in the signed map, 0 in the unsigned; a constant line, B = 0); binade 31, [1, 2), holds 1 and the NaNs (their exponent is 255, the same low 5 bits):
 // 255, and the settle's add saturates too: midpoint 255 is inf, so only a NaN xn passes it, and stays 255. Negatives
 // mirror positives in the signed map (value j = -value 254 - j, so midpoint j = -midpoint 253 - j): xn < 0 takes
 // 253 - k of y, saturated at 0 (a NaN is not < 0). The unsigned map (exp_avg_sq) has no negatives: y = max(0, xn).
@@ -77,7 +77,7 @@ static void decades(const float* map, CodeMap& c) {
     if (count[z]++ == 0) { first[z] = v; first_code[z] = j; }
     last[z] = v;
   }
-  auto line = [&](int z, double lo, uint16_t& a, uint16_t& b) {  // decade z's t over the binade [lo, 2 lo); 7: the code of 0
+  auto line = [&](int z, double lo, uint16_t& a, uint16_t& b) {  // decade z's t over the binade [lo, 2 lo); 7: zero's code
     const double slope = z < 7 ? count[z] / (0.9 * tenth[z]) : 0.0, offset = z < 7 ? first_code[z] - first[z] * slope : zero_code;
     a = (uint16_t)std::clamp(std::floor(256 * (slope * lo + offset)), 0.0, 65535.0);
     b = (uint16_t)std::ceil(256 * slope * lo);  // < 2^16: a binade holds fewer than 256 codes
@@ -148,7 +148,8 @@ static __m256i estimate(__m512 x0, __m512 x1, const CodeMap& map) {  // 32 codes
   const __m512i f = _mm512_permutex2var_epi16(_mm512_slli_epi32(b0, 9), odd, _mm512_slli_epi32(b1, 9));  // F
   const __m512i e = _mm512_max_epu16(_mm512_srli_epi16(_mm512_slli_epi16(high, 1), 8), _mm512_set1_epi16(96));
   const __mmask32 up = _mm512_cmpgt_epu16_mask(f, _mm512_permutexvar_epi16(e, map.fraction_switch));  // e's low 5 bits
-  const __m512i line = _mm512_mask_sub_epi16(e, up, e, _mm512_set1_epi16(32));  // low 6 bits: 32 + binade, or binade
+  // e is 96..127 or 255 (|xn| <= 1 or NaN): bit 5 is set, so its low 6 bits are 32 + binade; the line above: binade
+  const __m512i line = _mm512_mask_sub_epi16(e, up, e, _mm512_set1_epi16(32));
   const __m512i a = _mm512_permutex2var_epi16(map.a[0], line, map.a[1]), b = _mm512_permutex2var_epi16(map.b[0], line, map.b[1]);
   __m512i k = _mm512_srli_epi16(_mm512_adds_epu16(a, _mm512_mulhi_epu16(b, f)), 8);
   if (is_signed) {
@@ -184,8 +185,8 @@ static void decode(const uint8_t* codes, const CodeMap& map, float absmax, float
 #endif
 
 // uint8 state: one 256-element block, read once and written once. Its m and v stay in local arrays (2 KB, in L1)
-// through three loops: decode; update and find the new absmax; requantize with it. The update and the requantize
-// vectorize (16 lanes with AVX-512): a bucket is a gathered load from an L1-resident table. [Note: 8-bit state]
+// through three loops: decode; update and find the new absmax; requantize with it. All three vectorize (AVX-512):
+// byte permutes with VBMI ([Note: a code from its decade]), else gathers from L1-resident tables. [Note: 8-bit state]
 template <class G, class W>
 static int adamw_block(const AdamWArgs& args, const CodeMap (&maps)[2], int64_t block) {
   const AdamWArgs a = args;
