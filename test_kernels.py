@@ -1014,6 +1014,40 @@ def test_cuda_kernel_equals_the_cpu_kernel_bit_for_bit(impl, weights, state):
                 assert same_bits(a, b)
 
 
+@functools.cache
+def avx2_cpu_library():
+    """csrc/adamw_cpu.cpp built as for a CPU with AVX2 and no AVX-512 (-march=haswell, e.g. most laptops): the branch
+    without byte permutes (gathers, the buckets' encode), which a CPU with AVX-512 VBMI never runs."""
+    command = [library._compiler("cpu")[0], *library.CPU_FLAGS, "-march=haswell", *library.SHARED_FLAGS["cpu"]]
+    digest = hashlib.sha256("\0".join([library.CPU_SOURCE, *command, library.cache_path("cpu").name]).encode()).hexdigest()
+    path = library.cache_path("cpu").parent / f"adamw_cpu_haswell_{digest[:16]}.so"
+    library.compile_library(library.CPU_SOURCE, command, path)
+    return library.Library(path)
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="-march=haswell is an x86 level")
+@pytest.mark.parametrize("state", STATES)
+@pytest.mark.parametrize("weights", WEIGHTS)
+def test_the_cpu_kernel_built_for_avx2_equals_the_native_build_bit_for_bit(weights, state):
+    # Same steps as the CUDA comparison above. The AVX2 build once ran the 8-bit block and the fp16 cast as scalar
+    # loops (a ?: that g++ made a branch: csrc/adamw_common.h, select); this checks its numbers, not its speed.
+    n = 4097 * 3 if state != "uint8" else 256 * 96
+    kernels.resolve_impl("cpu")
+    native, avx2 = kernels._LIBRARIES["cpu"], avx2_cpu_library()
+    for grad_dtype in (torch.float32, torch.bfloat16):
+        shards = {"native": Shard(n, weights, state)}
+        shards["avx2"] = shards["native"].to("cpu")
+        gen = torch.Generator().manual_seed(2)
+        for step in (1, 2, 3):
+            grad = spiky_grad(n, gen).to(grad_dtype)
+            for which, lib in (("native", native), ("avx2", avx2)):
+                with mock.patch.dict(kernels._LIBRARIES, {"cpu": lib}):
+                    shards[which].step("cpu", grad, weight_decay=0.1, decay_numel=5001, step=step, grad_scale=0.37,
+                                       index_offset=2**32 - 5000)
+            for a, b in zip(shards["native"].tensors(), shards["avx2"].tensors()):
+                assert same_bits(a, b)
+
+
 @pytest.mark.parametrize("weights", ["fp32+bf16param", "remainder", "none-stochastic"])
 def test_the_8bit_kernels_l2_prefetches_ask_for_the_blocks_of_the_rounds_to_come_inside_each_stream(weights):
     """The CUDA-only prefetch ([Note: the 8-bit kernel's memory hints]) takes addresses a CPU can check: run on the host,

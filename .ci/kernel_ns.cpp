@@ -1,5 +1,5 @@
-// The CPU kernel's step in cache, one thread, no Python in the way: ns an element for the fp32-master step and the
-// three int8 modes (fp32 grads, 64K elements, the best of 400 calls). Run by `python .ci/cpu_kernel.py time`; compiler
+// The CPU kernel's step in cache, one thread, no Python in the way: ns an element for each storage-precision mode of
+// bench.py kernels --modes (fp32 grads, 64K elements, the best of 400 calls). Run by `python .ci/cpu_kernel.py time`; compiler
 // flags after `time` (e.g. -DNAME) build a variant of csrc/ under #ifdef NAME.
 #include "../csrc/adamw_cpu.cpp"
 #include <chrono>
@@ -15,17 +15,20 @@ int main(int argc, char** argv) {
   const int64_t n = 1 << 16;
   std::mt19937 rng(1); std::normal_distribution<float> normal(0, 1);
   std::vector<float> master(n), grad(n), m32(n, 0.0f), v32(n, 0.0f), absmax_m(n / 256, 1e-3f), absmax_v(n / 256, 1e-6f);
-  std::vector<uint16_t> param(n); std::vector<int16_t> remainder(n, 0); std::vector<uint8_t> m8(n), v8(n);
+  std::vector<uint16_t> param(n), m16(n, 0), v16(n, 0); std::vector<int16_t> remainder(n, 0); std::vector<uint8_t> m8(n), v8(n);
   for (int64_t i = 0; i < n; ++i) master[i] = normal(rng) * 0.02f, grad[i] = normal(rng) * 1e-3f, m8[i] = rng(), v8[i] = rng();
   float found_inf = 0;
-  const struct { const char* name; int weights, state; } modes[] = {
-    {"fp32 master -> bf16 param", 2, 0}, {"fp32 master -> bf16, int8 m/v", 2, 2},
-    {"remainder, int8 m/v", 4, 2}, {"bf16 param only, stochastic, int8 m/v", 6, 2}};
+  const struct { const char* name; int weights, state; } modes[] = {  // kernels._WEIGHTS_KINDS, _STATE_KINDS
+    {"fp32 master -> bf16 param", 2, 0}, {"fp32 master -> bf16, bf16 m/v", 2, 1},
+    {"fp32 master -> bf16, int8 m/v", 2, 2}, {"fp32 master, no param", 0, 0}, {"fp32 master -> fp16 param", 3, 0},
+    {"remainder + bf16 param", 4, 0}, {"remainder, int8 m/v", 4, 2}, {"bf16 param only", 5, 0},
+    {"bf16 param only, stochastic", 6, 0}, {"bf16 param only, stochastic, int8 m/v", 6, 2}};
   for (const auto& mode : modes) {
     AdamWArgs a{};
-    a.master = mode.weights == 2 ? (void*)master.data() : mode.weights == 4 ? (void*)remainder.data() : nullptr;
-    a.param = param.data(); a.grad = grad.data();
-    a.exp_avg = mode.state ? (void*)m8.data() : (void*)m32.data(); a.exp_avg_sq = mode.state ? (void*)v8.data() : (void*)v32.data();
+    a.master = mode.weights <= 3 ? (void*)master.data() : mode.weights == 4 ? (void*)remainder.data() : nullptr;
+    a.param = mode.weights == 0 ? nullptr : param.data(); a.grad = grad.data();
+    void* moments[3][2] = {{m32.data(), v32.data()}, {m16.data(), v16.data()}, {m8.data(), v8.data()}};
+    a.exp_avg = moments[mode.state][0]; a.exp_avg_sq = moments[mode.state][1];
     a.exp_avg_absmax = absmax_m.data(); a.exp_avg_sq_absmax = absmax_v.data();
     a.tables = tables.data(); a.buckets = buckets.data(); a.found_inf = &found_inf;
     a.n = n; a.decay_numel = n / 2; a.state_kind = mode.state; a.weights_kind = mode.weights; a.seed = 1; a.step = 10;

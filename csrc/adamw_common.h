@@ -48,6 +48,9 @@ template <class T> HD void put(void* p, int64_t i, T x) {
 
 HD uint32_t bits_of(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 HD float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
+// c ? x : y as bit masks: g++ turns some ?: into branches when it vectorizes for AVX2 (no mask registers), and the CPU
+// loop around them runs scalar (the 8-bit block's decay cut made its step 2x slower there); this it cannot
+HD uint32_t select(bool c, uint32_t x, uint32_t y) { return y ^ ((x ^ y) & (0u - (uint32_t)c)); }
 HD float to_float(float x) { return x; }
 HD float to_float(bf16 x) { return float_of((uint32_t)x.bits << 16); }
 
@@ -69,9 +72,9 @@ HD fp16 fp16_nearest_even(float x) {
   const uint32_t normal = (a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13;
   // below, a denormal fp16: a multiple of 2^-24, to which the FPU rounds |x| + 0.5 (whose ulp is 2^-24)
   const uint32_t denormal = bits_of(float_of(a) + 0.5f) - 0x3F000000u;
-  const uint32_t h = a > 0x7F800000u ? 0x7E00u                // NaN -> quiet NaN
-                   : a >= 0x477FF000u ? 0x7C00u               // >= 65520, the tie between 65504 and 2^16: inf
-                   : a >= 0x38800000u ? normal : denormal;
+  const uint32_t h = select(a > 0x7F800000u, 0x7E00u,                   // NaN -> quiet NaN
+                            select(a >= 0x477FF000u, 0x7C00u,             // >= 65520, the tie between 65504 and 2^16: inf
+                                   select(a >= 0x38800000u, normal, denormal)));
   return {(uint16_t)((b >> 16 & 0x8000u) | h)};
 }
 

@@ -203,7 +203,7 @@ static int adamw_block(const AdamWArgs& args, const CodeMap (&maps)[2], int64_t 
     const int64_t i = block * 256 + j;
     M master = get<M>(a.master, i);
     P param = W::reads_param ? get<P>(a.param, i) : P{};
-    const float decay = j < cut ? a.decay : 1.0f;
+    const float decay = float_of(select(j < cut, bits_of(a.decay), bits_of(1.0f)));  // not a ?: (see select)
     bad |= adamw_element<W>(a, i, decay, to_float(((const G*)a.grad)[i]), m[j], v[j], master, param);
     put(a.master, i, master); put(a.param, i, param);
     const float abs_m = fabsf(m[j]), abs_v = fabsf(v[j]);  // a NaN never passes the > (one vmaxps): it is ignored
