@@ -1025,7 +1025,15 @@ def avx2_cpu_library():
     return library.Library(path)
 
 
-@pytest.mark.skipif(os.uname().machine != "x86_64", reason="-march=haswell is an x86 level")
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="-march=haswell code needs an x86 CPU with AVX2 and FMA")
 @pytest.mark.parametrize("state", STATES)
 @pytest.mark.parametrize("weights", WEIGHTS)
 def test_the_cpu_kernel_built_for_avx2_equals_the_native_build_bit_for_bit(weights, state):

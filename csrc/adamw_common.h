@@ -48,9 +48,16 @@ template <class T> HD void put(void* p, int64_t i, T x) {
 
 HD uint32_t bits_of(float x) { uint32_t u; memcpy(&u, &x, 4); return u; }
 HD float float_of(uint32_t u) { float x; memcpy(&x, &u, 4); return x; }
-// c ? x : y as bit masks: g++ turns some ?: into branches when it vectorizes for AVX2 (no mask registers), and the CPU
-// loop around them runs scalar (the 8-bit block's decay cut made its step 2x slower there); this it cannot
-HD uint32_t select(bool c, uint32_t x, uint32_t y) { return y ^ ((x ^ y) & (0u - (uint32_t)c)); }
+// c ? x : y, on the CPU as bit masks: g++ turns some ?: into branches when it vectorizes for AVX2 (no mask registers),
+// and the loop around them runs scalar (the 8-bit block's decay cut made its step 2x slower there). nvcc keeps the ?:
+// (a select instruction; the masks cost the fp16 kernels ~8 instructions an element)
+HD uint32_t select(bool c, uint32_t x, uint32_t y) {
+#ifdef __CUDA_ARCH__
+  return c ? x : y;
+#else
+  return y ^ ((x ^ y) & (0u - (uint32_t)c));
+#endif
+}
 HD float to_float(float x) { return x; }
 HD float to_float(bf16 x) { return float_of((uint32_t)x.bits << 16); }
 
