@@ -1042,8 +1042,12 @@ def test_the_cpu_kernel_built_for_avx2_equals_the_native_build_bit_for_bit(weigh
     n = 4097 * 3 if state != "uint8" else 256 * 96
     kernels.resolve_impl("cpu")
     native, avx2 = kernels._LIBRARIES["cpu"], avx2_cpu_library()
+    # weights at the fp16 cast's edges (its denormals, 65504 / 65520, inf, NaN) and an fp32 denormal, both signs
+    edges = torch.tensor([6e-8, 3e-5, 6.1e-5, 65504.0, 65519.0, 65521.0, 7e4, float("inf"), float("nan"), 1e-40, 0.0])
     for grad_dtype in (torch.float32, torch.bfloat16):
         shards = {"native": Shard(n, weights, state)}
+        if shards["native"].master is not None and shards["native"].master.dtype == torch.float32:
+            shards["native"].master[:2 * len(edges)] = torch.cat([edges, -edges])
         shards["avx2"] = shards["native"].to("cpu")
         gen = torch.Generator().manual_seed(2)
         for step in (1, 2, 3):
