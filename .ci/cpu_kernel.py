@@ -25,6 +25,7 @@ with tempfile.TemporaryDirectory() as tmp:
         f.write(tables.numpy().tobytes() + buckets.numpy().tobytes())
     source = os.path.join(ROOT, '.ci', 'encode_check.cpp' if what == 'check' else 'kernel_ns.cpp')
     binary = os.path.join(tmp, what)
-    subprocess.run([library._compiler('cpu')[0], *library.CPU_FLAGS, '-std=c++17', *flags, '-o', binary, source], check=True)
+    compiler = library._compiler('cpu')[0]
+    subprocess.run([compiler, *library.CPU_FLAGS, '-std=c++17', *flags, '-o', binary, source], check=True)
     env = {**os.environ, 'OMP_NUM_THREADS': '1'} if what == 'time' else None
     sys.exit(subprocess.run([binary, os.path.join(tmp, 'tables.bin')], env=env).returncode)

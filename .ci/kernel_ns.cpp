@@ -1,6 +1,6 @@
 // The CPU kernel's step in cache, one thread, no Python in the way: ns an element for each storage-precision mode of
-// bench.py kernels --modes (fp32 grads, 64K elements, the best of 400 calls). Run by `python .ci/cpu_kernel.py time`; compiler
-// flags after `time` (e.g. -DNAME) build a variant of csrc/ under #ifdef NAME.
+// bench.py kernels --modes (fp32 grads, 64K elements, the best of 400 calls). Run by `python .ci/cpu_kernel.py time`;
+// compiler flags after `time` (e.g. -DNAME) build a variant of csrc/ under #ifdef NAME.
 #include "../csrc/adamw_cpu.cpp"
 #include <chrono>
 #include <cstdio>
@@ -15,8 +15,11 @@ int main(int argc, char** argv) {
   const int64_t n = 1 << 16;
   std::mt19937 rng(1); std::normal_distribution<float> normal(0, 1);
   std::vector<float> master(n), grad(n), m32(n, 0.0f), v32(n, 0.0f), absmax_m(n / 256, 1e-3f), absmax_v(n / 256, 1e-6f);
-  std::vector<uint16_t> param(n), m16(n, 0), v16(n, 0); std::vector<int16_t> remainder(n, 0); std::vector<uint8_t> m8(n), v8(n);
-  for (int64_t i = 0; i < n; ++i) master[i] = normal(rng) * 0.02f, grad[i] = normal(rng) * 1e-3f, m8[i] = rng(), v8[i] = rng();
+  std::vector<uint16_t> param(n), m16(n, 0), v16(n, 0);
+  std::vector<int16_t> remainder(n, 0);
+  std::vector<uint8_t> m8(n), v8(n);
+  for (int64_t i = 0; i < n; ++i)
+    master[i] = normal(rng) * 0.02f, grad[i] = normal(rng) * 1e-3f, m8[i] = rng(), v8[i] = rng();
   float found_inf = 0;
   const struct { const char* name; int weights, state; } modes[] = {  // kernels._WEIGHTS_KINDS, _STATE_KINDS
     {"fp32 master -> bf16 param", 2, 0}, {"fp32 master -> bf16, bf16 m/v", 2, 1},

@@ -79,8 +79,8 @@ HD fp16 fp16_nearest_even(float x) {
   const uint32_t normal = (a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u)) >> 13;
   // below, a denormal fp16: a multiple of 2^-24, to which the FPU rounds |x| + 0.5 (whose ulp is 2^-24)
   const uint32_t denormal = bits_of(float_of(a) + 0.5f) - 0x3F000000u;
-  const uint32_t h = select(a > 0x7F800000u, 0x7E00u,                   // NaN -> quiet NaN
-                            select(a >= 0x477FF000u, 0x7C00u,             // >= 65520, the tie between 65504 and 2^16: inf
+  const uint32_t h = select(a > 0x7F800000u, 0x7E00u,        // NaN -> quiet NaN
+                            select(a >= 0x477FF000u, 0x7C00u,  // >= 65520, the tie between 65504 and 2^16: inf
                                    select(a >= 0x38800000u, normal, denormal)));
   return {(uint16_t)((b >> 16 & 0x8000u) | h)};
 }

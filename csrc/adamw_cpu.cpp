@@ -55,11 +55,12 @@ static void to_planes(const float* table, __m512i (&planes)[4][4]) {
 // in 16-bit lanes, 32 values a vector (half the instructions of fp32 lanes): within a binade [2^e, 2^(e+1)), y =
 // 2^e (1 + F / 2^16 + less), F the top 16 of its 23 fraction bits, so t = (A + B F / 2^16) / 256 in 8.8 fixed point,
 // A and B the binade's line, looked up by its exponent (a 64-entry word permute), and k = (A + mulhi(B, F)) >> 8;
-// A rounded down and B up, k errs by -3/256 to +1/256 of a code (-2.04/256 to +0.85/256 over every y). A binade holds at most one switch between decades,
-// the last value of the decade below; an F above the switch's F takes the line above (a switch equal in F to y takes
-// the line below, which is still within one there). Binade 0 holds everything below 2^-30, all of which take the code
-// of zero (127 in the signed map, 0 in the unsigned; a constant line, B = 0); binade 31, [1, 2), holds 1 and the NaNs (their exponent is 255, the same low 5 bits):
-// 255, and the settle's add saturates too: midpoint 255 is inf, so only a NaN xn passes it, and stays 255. Negatives
+// A rounded down and B up, k errs by -3/256 to +1/256 of a code (-2.04/256 to +0.85/256 over every y). A binade
+// holds at most one switch between decades, the last value of the decade below; an F above the switch's F takes the
+// line above (a switch equal in F to y takes the line below, which is still within one there). Binade 0 holds
+// everything below 2^-30, all of which take the code of zero (127 in the signed map, 0 in the unsigned; a constant
+// line, B = 0); binade 31, [1, 2), holds 1 and the NaNs (their exponent is 255, the same low 5 bits): 255, and the
+// settle's add saturates too: midpoint 255 is inf, so only a NaN xn passes it, and stays 255. Negatives
 // mirror positives in the signed map (value j = -value 254 - j, so midpoint j = -midpoint 253 - j): xn < 0 takes
 // 253 - k of y, saturated at 0 (a NaN is not < 0). The unsigned map (exp_avg_sq) has no negatives: y = max(0, xn).
 // Checked for every fp32 xn in [-1, 1] and every NaN, both maps, against the buckets ([Note: a code in one load]):
@@ -77,23 +78,25 @@ static void decades(const float* map, CodeMap& c) {
     if (count[z]++ == 0) { first[z] = v; first_code[z] = j; }
     last[z] = v;
   }
-  auto line = [&](int z, double lo, uint16_t& a, uint16_t& b) {  // decade z's t over the binade [lo, 2 lo); 7: zero's code
-    const double slope = z < 7 ? count[z] / (0.9 * tenth[z]) : 0.0, offset = z < 7 ? first_code[z] - first[z] * slope : zero_code;
+  auto line = [&](int z, double lo, uint16_t& a, uint16_t& b) {  // decade z's t over the binade [lo, 2 lo); 7: zero's
+    const double slope = z < 7 ? count[z] / (0.9 * tenth[z]) : 0.0;
+    const double offset = z < 7 ? first_code[z] - first[z] * slope : zero_code;
     a = (uint16_t)std::clamp(std::floor(256 * (slope * lo + offset)), 0.0, 65535.0);
     b = (uint16_t)std::ceil(256 * slope * lo);  // < 2^16: a binade holds fewer than 256 codes
   };
   alignas(64) uint16_t fraction_switch[32], a[64], b[64];  // a[i], b[i]: above binade i's switch; a[32 + i]: below
   for (int i = 0; i < 32; ++i) {  // binade [2^(i - 31), 2^(i - 30))
     const double lo = ldexp(1.0, i - 31), hi = 2 * lo;
-    int below = 6, above = 7;  // y above the last value of decade z + 1: decade z
+    int below = 6;  // y above the last value of decade z + 1: decade z
     for (int z = 5; z >= 0; --z) if (last[z + 1] < lo) below = z;
+    int above = below;
     fraction_switch[i] = 0xFFFF;  // no switch: never exceeded
     for (int z = 0; z < 6; ++z) if (last[z + 1] >= lo && last[z + 1] < hi) {
       above = z;
       fraction_switch[i] = (uint16_t)(bits_of((float)last[z + 1]) >> 7);
     }
     line(i == 0 ? 7 : below, lo, a[32 + i], b[32 + i]);
-    line(above == 7 ? below : above, lo, a[i], b[i]);
+    line(above, lo, a[i], b[i]);
     if (i == 31) a[i] = a[32 + i] = 65535, b[i] = b[32 + i] = 0;
   }
   c.fraction_switch = _mm512_load_si512(fraction_switch);
@@ -140,7 +143,8 @@ static void decode(const uint8_t* codes, const CodeMap& map, float absmax, float
 
 template <bool is_signed>
 static __m256i estimate(__m512 x0, __m512 x1, const CodeMap& map) {  // 32 codes k: [Note: a code from its decade]
-  if (!is_signed) x0 = _mm512_max_ps(_mm512_setzero_ps(), x0), x1 = _mm512_max_ps(_mm512_setzero_ps(), x1);  // NaN stays
+  if (!is_signed)  // y = max(0, xn): a NaN stays (max returns its second operand)
+    x0 = _mm512_max_ps(_mm512_setzero_ps(), x0), x1 = _mm512_max_ps(_mm512_setzero_ps(), x1);
   const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
                                        31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);  // the high halves
   const __m512i b0 = _mm512_castps_si512(x0), b1 = _mm512_castps_si512(x1);
@@ -150,7 +154,8 @@ static __m256i estimate(__m512 x0, __m512 x1, const CodeMap& map) {  // 32 codes
   const __mmask32 up = _mm512_cmpgt_epu16_mask(f, _mm512_permutexvar_epi16(e, map.fraction_switch));  // e's low 5 bits
   // e is 96..127 or 255 (|xn| <= 1 or NaN): bit 5 is set, so its low 6 bits are 32 + binade; the line above: binade
   const __m512i line = _mm512_mask_sub_epi16(e, up, e, _mm512_set1_epi16(32));
-  const __m512i a = _mm512_permutex2var_epi16(map.a[0], line, map.a[1]), b = _mm512_permutex2var_epi16(map.b[0], line, map.b[1]);
+  const __m512i a = _mm512_permutex2var_epi16(map.a[0], line, map.a[1]);
+  const __m512i b = _mm512_permutex2var_epi16(map.b[0], line, map.b[1]);
   __m512i k = _mm512_srli_epi16(_mm512_adds_epu16(a, _mm512_mulhi_epu16(b, f)), 8);
   if (is_signed) {
     const __mmask32 negative = _mm512_kunpackw(_mm512_cmp_ps_mask(x1, _mm512_setzero_ps(), _CMP_LT_OQ),
