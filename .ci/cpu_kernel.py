@@ -2,7 +2,8 @@
 
     python .ci/cpu_kernel.py check        # the 8-bit encode against the buckets for every fp32 xn in [-1, 1] and every
                                           # NaN, both code maps ([Note: a code from its decade]); exit 1 on a mismatch
-    python .ci/cpu_kernel.py time         # ns an element in cache, one thread, every storage-precision mode
+    python .ci/cpu_kernel.py time         # ns an element in cache, one thread, every storage-precision mode; with
+                                          # AVX-512 VBMI also the 8-bit encode (each map) and decode alone, a value
     python .ci/cpu_kernel.py time -DX=1   # ... with extra compiler flags (to time a variant built under #ifdef X)
 
 check builds in ~5 s and runs in ~5 s on 2 cores; test_kernels.py checks a dense subset through the kernel each run."""
