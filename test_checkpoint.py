@@ -1143,6 +1143,26 @@ def test_on_nccl_the_checks_flags_live_on_the_ranks_gpu(tmp_path, monkeypatch):
     assert made == [dict(dtype=torch.int64, device=gpu)] and reduced == [dist.ReduceOp.MAX]
 
 
+def test_on_nccl_set_aside_and_saves_check_make_their_flags_on_the_ranks_gpu(tmp_path, monkeypatch):
+    # the two other flags a checkpoint sends between ranks, made where NCCL takes them (torch.tensor, the MAX and the
+    # broadcast stood in for; rank 1 of 2; test_gpu.py makes both on a GPU at world 1): set_aside's (rank 0's rename
+    # failed: every rank stops) and save's (rank 0 sees ckpt-N saved already: every rank returns, whatever its own view)
+    made, sent, real_tensor, gpu = [], [], torch.tensor, torch.device('cuda', 1)
+    monkeypatch.setattr(torch, 'tensor', lambda data, **kw: made.append(kw) or real_tensor(data, dtype=kw['dtype']))
+    monkeypatch.setattr(dist, 'all_reduce', lambda t, op, group: sent.append(op) or t.fill_(7))
+    on_gpu = types.SimpleNamespace(rank=1, world_size=2, fake=False, device=gpu, process_group=None,
+                                   broadcast=lambda t: sent.append('broadcast') or t.fill_(1))
+    path = ckpt(str(tmp_path), 10)
+    os.makedirs(path)  # no manifest on this rank's view
+    logged = []
+    with pytest.raises(resume.Damaged, match=re.escape('it is damaged; it could not be set aside: move')):
+        resume.set_aside([(path, 'it is damaged')], on_gpu, logged.append)
+    assert os.path.isdir(path) and logged == []  # rank 1 renames nothing
+    assert checkpoint.save(types.SimpleNamespace(comm=on_gpu), {'out_dir': str(tmp_path)}, {}, 10, 1.0) == path
+    assert os.listdir(path) == []  # returned at the flag: nothing written, no barrier
+    assert made == [dict(dtype=torch.int64, device=gpu)] * 2 and sent == [dist.ReduceOp.MAX, 'broadcast']
+
+
 def test_train_py_reports_a_bad_checkpoint_in_one_line_and_exits_1(tmp_path):
     runs = []
     for how in ERRORS:

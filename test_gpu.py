@@ -290,6 +290,25 @@ def test_a_shard_changed_at_its_size_stops_verify_with_its_flags_on_the_gpu(tmp_
     assert made == [on.device, on.device]  # the flags, made where the engine's collectives run
 
 
+def test_set_aside_and_saves_check_make_their_flags_on_the_gpu(tmp_path, monkeypatch):
+    # resume.set_aside's flag and checkpoint.save's "saved already?" on the engine's device (at world 1 no MAX or
+    # broadcast runs; test_checkpoint.py stands in for those at world 2): a ckpt-N with a manifest is not saved again,
+    # then set aside as ckpt-N.damaged
+    made, real_tensor = [], torch.tensor
+    monkeypatch.setattr(torch, 'tensor', lambda *a, **kw: made.append(kw.get('device')) or real_tensor(*a, **kw))
+    on = types.SimpleNamespace(rank=0, world_size=1, fake=False, process_group=None,
+                               device=torch.device('cuda' if GPU else 'cpu'))
+    path = str(tmp_path / 'ckpt-00000010')
+    os.makedirs(path)
+    with open(os.path.join(path, 'manifest.json'), 'w') as f:
+        f.write('{}')
+    assert checkpoint.save(types.SimpleNamespace(comm=on), {'out_dir': str(tmp_path)}, {}, 10, 1.0) == path
+    logged = []
+    resume.set_aside([(path, 'a test')], on, logged.append)
+    assert os.path.isdir(path + '.damaged') and not os.path.exists(path) and 'set aside as ckpt-00000010.damaged' in logged[0]
+    assert made == [on.device, on.device]
+
+
 def test_a_stage_0_fp16_checkpoint_resumes_at_stage_0():
     first, second = result('stage 0 resume')
     for code, log in (first, second):
