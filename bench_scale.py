@@ -106,8 +106,8 @@ def measure(kind, cfg, world_size, quick, build_only=False, link_specs=(), speed
     """Build one kind as rank 0 of world_size, warm up 2 steps and time 3 (quick: 1 and 1); return what was measured.
     link_specs: simulated links (comm.parse_link) each timed step also runs with, after running without."""
     device = torch.device(cfg['device'])
-    if device.type == 'cuda':
-        device = torch.device('cuda', 0)
+    if device.type == 'cuda':  # the GPU named, as train.py run alone takes it (cuda:1 is cuda:1; cuda is cuda:0)
+        device = torch.device('cuda', device.index or 0)
         torch.cuda.set_device(device)
     dist.init_process_group('fake', rank=0, world_size=world_size, store=FakeStore())
     train.prepare_data(cfg, rank=0)

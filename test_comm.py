@@ -180,6 +180,21 @@ def test_bench_link_times_every_collective_at_a_world_size_that_divides_no_power
     torch.multiprocessing.spawn(_time_collectives_rank, args=(3, str(tmp_path / 'init')), nprocs=3)
 
 
+def test_bench_scale_runs_on_the_gpu_it_is_named(monkeypatch):
+    # bench_scale.measure, torch.cuda.set_device stood in for (it stops the run there): --set device=cuda:1 ran on
+    # cuda:0 without a word; now the GPU named, as train.py takes it alone (test_train.py); a bare cuda is cuda:0
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    monkeypatch.setattr(torch.cuda, 'set_device', lambda device: asked.append(device) or (_ for _ in ()).throw(Stop()))
+    for name in ('cuda:1', 'cuda'):
+        with pytest.raises(Stop):
+            bench_scale.measure('zero', {'device': name}, 8, quick=True)
+    assert asked == [torch.device('cuda', 1), torch.device('cuda', 0)]
+
+
 def test_on_cuda_bench_scale_reads_and_resets_the_gpus_peak_not_the_processes(monkeypatch):
     # bench_scale.peak_bytes / reset_peak on CUDA, torch.cuda stood in for: the allocator's peak of that GPU, and
     # /proc/self/clear_refs (the CPU's reset of VmHWM) left alone
