@@ -94,7 +94,7 @@ def main(argv=None):
                          "that improves)" * none)
     model.to(args.device)
     print(f"{path}: iteration {info['iter_num']}, val loss {info['best_val_loss']:.4f}, trained with "
-          f"zero_stage={info['stage']} on {info['world_size']} rank(s)")
+          f"zero_stage={info['stage']} on {info['world_size']} rank(s); sampling on {args.device}")
     encode, decode = tokenizer(info)
     start = args.start
     if start.startswith('FILE:'):
