@@ -195,6 +195,18 @@ def test_bench_scale_runs_on_the_gpu_it_is_named(monkeypatch):
     assert asked == [torch.device('cuda', 1), torch.device('cuda', 0)]
 
 
+def test_on_cuda_bench_scales_mfu_peak_is_the_datasheets_else_the_gpus_measured_matmul(monkeypatch):
+    # bench_scale.job_peak_flops on a GPU, model.peak_flops and matmul_flops stood in for: a listed GPU's datasheet peak
+    # (--speedup is for CPUs), an unlisted one's measured matmul in the job's dtype (test_gpu.py times a real one)
+    measured, gpu = [], torch.device('cuda', 0)
+    monkeypatch.setattr(bench_scale, 'matmul_flops', lambda device, dtype: measured.append((device, dtype)) or 7e14)
+    monkeypatch.setattr(bench_scale.model_py, 'peak_flops', lambda device: 989e12)
+    assert bench_scale.job_peak_flops(gpu, {'dtype': 'bfloat16'}, speedup=3.0) == 989e12 and measured == []
+    monkeypatch.setattr(bench_scale.model_py, 'peak_flops', lambda device: None)
+    assert bench_scale.job_peak_flops(gpu, {'dtype': 'bfloat16'}, speedup=3.0) == 7e14
+    assert measured == [(gpu, torch.bfloat16)]
+
+
 def test_on_cuda_bench_scale_reads_and_resets_the_gpus_peak_not_the_processes(monkeypatch):
     # bench_scale.peak_bytes / reset_peak on CUDA, torch.cuda stood in for: the allocator's peak of that GPU, and
     # /proc/self/clear_refs (the CPU's reset of VmHWM) left alone
