@@ -263,10 +263,11 @@ def _buckets(midpoints):
 @functools.lru_cache(maxsize=None)
 def _code_tables(device):
     """The kernels' tables, on device: fp32 (512,) = the signed and unsigned maps (256 each); int32 (2 * 2^16,) = the
-    buckets of the signed, then the unsigned, midpoints."""
+    buckets of the signed, then the unsigned, midpoints, each rotated by half (negative values' buckets first: the
+    kernels index them by xn's top 16 bits read as signed, [Note: table lookups that vectorize])."""
     signed, unsigned = _midpoints(SIGNED_MAP), _midpoints(UNSIGNED_MAP)
     return (torch.cat([SIGNED_MAP, UNSIGNED_MAP]).to(device),
-            torch.cat([_buckets(signed), _buckets(unsigned)]).to(device))
+            torch.cat([_buckets(signed).roll(1 << 15), _buckets(unsigned).roll(1 << 15)]).to(device))
 
 
 @functools.lru_cache(maxsize=None)
