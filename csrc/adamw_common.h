@@ -65,8 +65,8 @@ HD float to_float(bf16 x) { return float_of((uint32_t)x.bits << 16); }
 // 0x7FFF + the lowest kept bit to nearest-even, a random number stochastically. [Note: one bf16 rounding rule]
 HD bf16 bf16_round(float x, uint32_t below) {
   const uint32_t b = bits_of(x);
-  const bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;  // the add could carry a NaN into inf: keep it a quiet NaN
-  return {(uint16_t)(nan ? (b >> 16) | 0x40u : (b + below) >> 16)};
+  const bool nan = x != x;  // the add could carry a NaN into inf: keep it a quiet NaN (its quiet bit set)
+  return {(uint16_t)((nan ? b | 0x400000u : b + below) >> 16)};  // one shift for both: an instruction less on sm_90
 }
 HD bf16 bf16_nearest_even(float x) { return bf16_round(x, 0x7FFFu + ((bits_of(x) >> 16) & 1u)); }
 HD bf16 bf16_away(float x) { return bf16_round(x, 0x8000u); }
@@ -163,7 +163,8 @@ template <bool flip = true> HD uint8_t code_of(float xn, const int32_t* buckets)
   const uint32_t b = bits_of(xn);
   const int32_t entry = (buckets + 32768)[(int32_t)b >> 16];  // the bucket of top 16 bits t: kernels' entry t ^ 0x8000
   const int32_t key = (int32_t)((flip ? b ^ (uint32_t)((int32_t)b >> 31) : b) & 0xFFFFu);  // negatives: low half flipped
-  return (uint8_t)((entry & 0xFF) + (key >= entry >> 8));
+  return (uint8_t)(entry + ((uint32_t)((entry >> 8) - 1 - key) >> 31));  // + 1 where key >= threshold (sign of the
+  // difference, not a compare and a select: 2 instructions a value less on sm_90; entry's low 8 bits never carry)
 }
 HD uint8_t quantize(float x, float scale, const int32_t* buckets) { return code_of(x / scale, buckets); }
 
@@ -212,7 +213,7 @@ HD bool adamw_element(const AdamWArgs& a, int64_t i, float decay, float grad, fl
   const float denom = (kByReciprocal ? divide_by_reciprocal(root, bc2, 1.0f / bc2) : root / bc2) + a.eps;
   const float x = W::load(master, param) * decay - a.step_size * m / denom;  // mul_(decay).addcdiv_(m, denom, -step_size)
   W::store(a, i, x, master, param);
-  return (bits_of(g) & 0x7F800000u) == 0x7F800000u;
+  return !(fabsf(g) < INFINITY);  // inf or NaN: one compare
 }
 
 // Calls f(grad type, state type, weights policy) for the kinds in the args: 2 x 3 x 7 = 42 instances, one switch.
