@@ -58,6 +58,48 @@ def test_a_bool_is_refused_where_an_int_or_a_float_is_expected(tmp_path):
         train.parse_config([str(cfg_file)])
 
 
+def test_a_config_files_mistake_is_one_line_naming_the_file_and_its_line(tmp_path):
+    # an adversarial sweep found each of these a traceback, or a file silently applying nothing (JSON, YAML), or a
+    # file after an override silently undoing it (the whole 1000-iteration config ran into the default out_dir)
+    cases = {'syntax.py': ("n_layer = (1\n", "syntax.py line 1: SyntaxError: '(' was never closed"),
+             'name.py': ("n_layer = 2\nbatch_size = undefined_name\n", "name.py line 2: NameError: name 'undefined_name'"),
+             'binary.py': ("x = 1\0\n", "binary.py: SyntaxError: source code string cannot contain null bytes"),
+             'c.json': ('{"batch_size": 4}\n', "c.json sets no keys: write Python assignments, e.g. batch_size = 4"),
+             'c.yaml': ("batch_size: 4\n", "c.yaml sets no keys")}
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=re.escape(f"config file {tmp_path / name}" + message[len(name):])):
+            train.parse_config([str(tmp_path / name)])
+    (tmp_path / 'ok.py').write_text("n_layer = 2\n")
+    with pytest.raises(ValueError, match=re.escape(f"config file {tmp_path / 'ok.py'} comes after --n_layer=3, and would "
+                                                   "undo it: put config files first")):
+        train.parse_config(['--n_layer=3', str(tmp_path / 'ok.py')])
+    with pytest.raises(ValueError, match=re.escape(f"config file {tmp_path} is a directory;")):
+        train.parse_config([str(tmp_path)])
+    with pytest.raises(ValueError, match=re.escape("config file -batch_size=4 not found (did you mean --batch_size=4?)")):
+        train.parse_config(['-batch_size=4'])
+    out = subprocess.run([sys.executable, 'train.py', str(tmp_path / 'syntax.py')], capture_output=True, text=True)
+    assert out.returncode == 1 and out.stderr.count('\n') == 1 and 'line 1: SyntaxError' in out.stderr, out.stderr
+
+
+def test_an_infinite_rate_and_a_decay_that_ends_before_warmup_are_refused(tmp_path):
+    # 1e999 is inf to literal_eval, and inf or nan passes every range check (nan < 0 is False): the run trained at
+    # loss nan and exited 0; lr_decay_iters < warmup_iters dropped the rate from its peak to min_lr in one step
+    for arg in ('--learning_rate=1e999', '--weight_decay=-1e999', '--min_lr=1e999'):
+        with pytest.raises(ValueError, match=re.escape(f"{arg.split('=')[0]}={float(arg.split('=')[1])}: "
+                                                       f"{arg[2:].split('=')[0]} takes a finite float")):
+            train.parse_config([arg])
+    cfg_file = tmp_path / 'c.py'
+    cfg_file.write_text("learning_rate = float('nan')\n")
+    with pytest.raises(ValueError, match=re.escape(f"learning_rate = nan in {cfg_file}: learning_rate takes a finite float")):
+        train.parse_config([str(cfg_file)])
+    cfg = train.parse_config(['--device=cpu', '--warmup_iters=10', '--lr_decay_iters=5'])
+    with pytest.raises(ValueError, match=re.escape("lr_decay_iters=5 < warmup_iters=10: the rate would fall")):
+        train.check_config(cfg, world_size=1)
+    train.check_config({**cfg, 'decay_lr': False}, world_size=1)
+    train.check_config({**cfg, 'lr_decay_iters': 10}, world_size=1)
+
+
 FLOORS = {**{k: 1 for k in ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'gradient_accumulation_steps',
                             'eval_iters', 'eval_interval', 'log_interval', 'keep_last')},
           **{k: 0 for k in ('max_iters', 'warmup_iters', 'lr_decay_iters', 'learning_rate', 'min_lr', 'weight_decay',
@@ -72,7 +114,10 @@ def test_every_count_and_rate_below_its_floor_is_refused(key):
     below = FLOORS[key] - (1 if isinstance(cfg[key], int) else 0.5)
     with pytest.raises(ValueError, match=re.escape(f"{key}={below}: use at least {FLOORS[key]}")):
         train.check_config({**cfg, key: below}, world_size=1)
-    train.check_config({**cfg, key: type(cfg[key])(FLOORS[key]) if key != 'n_embd' else 1}, world_size=1)
+    at_floor = {key: type(cfg[key])(FLOORS[key]) if key != 'n_embd' else 1}
+    if key == 'lr_decay_iters':  # and lr_decay_iters >= warmup_iters (its own check)
+        at_floor['warmup_iters'] = 0
+    train.check_config({**cfg, **at_floor}, world_size=1)
 
 
 def test_unknown_config_key_is_an_error_naming_the_closest_keys(tmp_path):

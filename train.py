@@ -13,10 +13,7 @@ $ torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=$MASTER_ADD
 Any key below (its default; the top of this file says what each does) can be set in a config file (plain Python
 assignments) or as --key=value after it.
 """
-import ast
 import dataclasses
-import difflib
-import glob
 import math
 import os
 import sys
@@ -30,6 +27,7 @@ import torch.distributed as dist
 import checkpoint
 import resume
 import comm
+import configurator
 import fsdp_lite
 import kernels
 import memory
@@ -103,52 +101,8 @@ PREPARED_ON_FIRST_USE = ('shakespeare', 'shakespeare_char')  # data/<name>/prepa
 
 
 def parse_config(argv, defaults=DEFAULTS):
-    """nanoGPT's configurator as a function: config files are executed, --key=value overrides are
-    literal-evaluated and must match the default's type; an unknown key is an error naming the closest."""
-    config = dict(defaults)
-
-    def check_key(key, where):
-        if key not in defaults:
-            close = difflib.get_close_matches(key, defaults, n=3)
-            hint = f"; did you mean {' or '.join(close)}?" if close else "; see the defaults at the top of train.py"
-            raise ValueError(f"unknown config key '{key}' in {where}{hint}")
-
-    for arg in argv:
-        if not arg.startswith('--'):
-            if not os.path.isfile(arg):
-                configs = ' '.join(sorted(os.path.relpath(p) for p in glob.glob(os.path.join(ROOT, 'config', '*.py'))))
-                raise ValueError(f"config file {arg} not found{f' (a key is set as --{arg})' * ('=' in arg)}; the configs "
-                                 f"are: {configs}")
-            namespace = {}
-            with open(arg) as f:
-                exec(f.read(), namespace)
-            for key, value in namespace.items():
-                if not key.startswith('_') and not callable(value) and not isinstance(value, type(sys)):
-                    check_key(key, arg)
-                    config[key] = typed(key, value, f"{key} = {value!r} in {arg}", defaults)
-            continue
-        key, sep, value = arg[2:].partition('=')
-        if not sep:
-            raise ValueError(f"expected --key=value, got '{arg}'")
-        check_key(key, arg)
-        try:
-            value = ast.literal_eval(value)
-        except (SyntaxError, ValueError):
-            pass  # a bare string, e.g. --dataset=shakespeare
-        config[key] = typed(key, value, f"--{key}={value!r}", defaults)
-    return config
-
-
-def typed(key, value, where, defaults=DEFAULTS):
-    """value, if it has the type of key's default (an int where a float is expected becomes one), else ValueError."""
-    expected = type(defaults[key])
-    if expected is float and type(value) is int:
-        value = float(value)
-    if type(value) is not expected and value not in ALSO.get(key, ()):
-        name = {'int': 'an int', 'float': 'a float', 'bool': 'True or False', 'str': 'a string'}[expected.__name__]
-        raise ValueError(f"{where}: {key} takes {name}{''.join(f' or {v!r}' for v in ALSO.get(key, ()))} "
-                         f"(default {defaults[key]!r})")
-    return value
+    """The config: DEFAULTS, then config files and --key=value overrides in turn (configurator.py)."""
+    return configurator.parse_config(argv, defaults, ALSO)
 
 # -----------------------------------------------------------------------------
 # data, learning rate, one training step, evaluation
@@ -264,6 +218,9 @@ def config_problems(cfg, world_size):
                 f"must be divisible by the {world_size} ranks"] if cfg['gradient_accumulation_steps'] % world_size else []
     problems += [f"{k}={cfg[k]}: use at least {n}" for n, keys in ((1, AT_LEAST_1), (0, AT_LEAST_0)) for k in keys if cfg[k] < n]
     problems += [f"{k}={cfg[k]}: use a value in [0, 1)" for k in ('dropout', 'beta1', 'beta2') if not 0 <= cfg[k] < 1]
+    if cfg['decay_lr'] and cfg['lr_decay_iters'] < cfg['warmup_iters']:
+        problems.append(f"lr_decay_iters={cfg['lr_decay_iters']} < warmup_iters={cfg['warmup_iters']}: the rate would fall "
+                        "from its peak to min_lr in one step; use lr_decay_iters >= warmup_iters, or decay_lr=False")
     if cfg['n_embd'] % max(cfg['n_head'], 1):
         problems.append(f"n_embd={cfg['n_embd']} is not a multiple of n_head={cfg['n_head']}: a head takes n_embd / n_head")
     for key, allowed in (('dtype', ('float32', 'bfloat16', 'float16')), ('reduce_dtype', ('float32', 'bfloat16')),
