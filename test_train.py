@@ -10,6 +10,7 @@ import contextlib
 import glob
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -98,6 +99,25 @@ def test_an_infinite_rate_and_a_decay_that_ends_before_warmup_are_refused(tmp_pa
         train.check_config(cfg, world_size=1)
     train.check_config({**cfg, 'decay_lr': False}, world_size=1)
     train.check_config({**cfg, 'lr_decay_iters': 10}, world_size=1)
+
+
+def test_ctrl_c_ends_a_run_in_one_line_and_its_checkpoints_resume(tmp_path):
+    # an adversarial sweep: Ctrl-C printed a 136-line KeyboardInterrupt traceback (249 lines under torchrun)
+    out_dir = str(tmp_path / 'out')
+    small = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2', '--eval_iters=1',
+             '--eval_interval=2', '--always_save_checkpoint=True', '--log_interval=1', f'--out_dir={out_dir}']
+    run = subprocess.Popen([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *small, '--max_iters=100000'],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in run.stdout:  # past iteration 2's checkpoint
+        if line.startswith('iter 4:'):
+            break
+    run.send_signal(signal.SIGINT)
+    _, stderr = run.communicate(timeout=60)
+    assert run.returncode == 130 and stderr == (f"interrupted: every checkpoint in {out_dir} is whole (a save is a rename); "
+                                                "continue the run with --init_from=resume\n")
+    again = subprocess.run([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *small, '--max_iters=6',
+                            '--init_from=resume'], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and re.search(r'resuming from \S+ckpt-0000000[2-9]', again.stdout), again.stderr
 
 
 FLOORS = {**{k: 1 for k in ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'gradient_accumulation_steps',

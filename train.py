@@ -393,4 +393,10 @@ if __name__ == '__main__':
             resume.find_resume(config, model_args(config, vocab_size(config)))  # a bad checkpoint: one line too
     except ValueError as e:  # one line, once (torchrun starts every rank with the same mistake), exit code 1
         sys.exit(config_error(e, int(os.environ.get('RANK', 0))))
-    main(config)
+    try:
+        main(config)
+    except KeyboardInterrupt:  # Ctrl-C: one line from rank 0, not a traceback from wherever it landed; 130 as a shell's
+        if os.environ.get('RANK', '0') == '0':
+            print(f"interrupted: every checkpoint in {config['out_dir']} is whole (a save is a rename); continue the run "
+                  "with --init_from=resume", file=sys.stderr)
+        sys.exit(130)
