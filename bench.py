@@ -101,9 +101,13 @@ def copy_bandwidth(device, n):
 
 
 def bench_kernels(args):
+    if args.device == "cuda" and not torch.cuda.is_available():  # before: torch's AssertionError at the first tensor
+        raise ValueError("--device cuda: torch sees no GPU here, use --device cpu")
     device = torch.device(args.device)
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else \
         [2**20 * k for k in ((1, 4, 16, 64, 256) if device.type == "cuda" else (1, 4, 16, 64))]
+    if args.modes and min(sizes) < 256:  # bench_modes rounds each size down to whole blocks: below one, nothing is left
+        raise ValueError(f"--sizes {args.sizes}: --modes needs sizes of at least 256 (one 8-bit block)")
     if args.modes:
         return bench_modes(device, sizes, getattr(torch, args.grad_dtype), args.against)
     impl = kernels.resolve_impl("auto", device)

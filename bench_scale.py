@@ -344,6 +344,8 @@ def print_link_table(args, cfg, done):
 def bench_scale(args):
     t_start = time.perf_counter()
     cfg = scale_config(args)
+    if args.speedup and not args.link:  # it sets the clock a link's step is timed on: without one, nothing reads it
+        raise ValueError("--speedup needs --link: it projects the step time on a simulated link, e.g. --link ib400")
     if args.speedup and cfg['device'].startswith('cuda'):  # here, not in each kind's process after its build
         raise ValueError("--speedup projects a CPU's compute onto a faster device's: on a GPU, leave it out")
     if args.speedup == 'h100':  # measured once, here, so every kind uses the same factor

@@ -83,7 +83,9 @@ def run_job(args, variant, nproc, out_dir):
 def bench_train(args):
     try:  # a bad key or value: one line now, not a traceback from the first job
         cfg = train.parse_config([args.config] + [f'--{kv}' for kv in args.set])
-        cuda = torch.device(cfg['device']).type == 'cuda'
+        if args.nproc is not None and args.nproc < 1:  # before: 0 ran the default, -2 a traceback from torchrun
+            raise ValueError(f"--nproc={args.nproc}: use at least 1")
+        cuda = cfg['device'].split(':')[0] == 'cuda'  # as check_config reads it: device=tpu is its one line, below
         nproc = args.nproc or (max(1, torch.cuda.device_count()) if cuda else 2)  # no GPU: check_config says so
         combos = variants(args.vary)
         if args.warm >= args.iters or args.runs < 1:

@@ -25,6 +25,7 @@ profiler there). On GPUs, one per rank, NCCL, bf16 compute, GPT-2 124M (its conf
     torchrun --standalone --nproc_per_node=8 bench.py zero --config=config/gpt2_124m.py --rounds=5
 """
 import argparse
+import os
 import resource
 import sys
 import time
@@ -269,8 +270,8 @@ def bench_zero(args):
     # in a function that binds `torch` as a local name, unbound wherever the import did not run.)
     if 'ddp+zero_redundancy' in args.kinds.split(','):
         from torch.distributed import optim  # noqa: F401
+    train.check_config(cfg, int(os.environ.get('WORLD_SIZE', 1)))  # before the process group: device=tpu is one line
     device, rank, world_size = comm.start_process_group(cfg['device'], cfg['backend'])
-    train.check_config(cfg, world_size)
     kinds = args.kinds.split(',')
     if {k.split(':')[0] for k in kinds} - set(KINDS):
         raise ValueError(f"unknown kinds {sorted({k.split(':')[0] for k in kinds} - set(KINDS))}: choose from "

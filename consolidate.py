@@ -54,13 +54,25 @@ def full_state_dict(path, dtype=torch.float32):
 def consolidate(path, out_file, dtype=torch.float32):
     """One file with everything sample.py needs, the tokenizer's meta included (GPT-2's BPE files are read from
     data/<dataset>/ or data/.cache/). Written to a temporary name and renamed: never a half-written model.pt."""
+    tmp = out_file + '.tmp'
     if not os.path.isdir(os.path.dirname(os.path.abspath(out_file))):  # before reading the whole checkpoint
         raise ValueError(f"-o {out_file}: there is no directory {os.path.dirname(os.path.abspath(out_file))}: make it first")
+    if os.path.isdir(out_file):
+        raise ValueError(f"-o {out_file}: is a directory, give a file name")
+    try:  # the temporary file made and removed: a place we cannot write (/proc, read-only) fails now, before the read
+        open(tmp, 'wb').close()
+        os.remove(tmp)
+    except OSError as e:
+        raise ValueError(f"-o {out_file}: cannot write there ({e.strerror})") from None
     state, manifest = full_state_dict(path, dtype)
     info = {k: manifest[k] for k in ('model_args', 'iter_num', 'best_val_loss', 'config', 'stage', 'world_size')}
     meta = manifest.get('meta') or checkpoint.dataset_meta(manifest['config']['dataset'])  # (a checkpoint before 27 Nov)
-    torch.save({'model': state, 'meta': meta, **info}, out_file + '.tmp')
-    os.replace(out_file + '.tmp', out_file)
+    try:
+        torch.save({'model': state, 'meta': meta, **info}, tmp)
+        os.replace(tmp, out_file)
+    finally:  # a failed write (disk full, Ctrl-C) leaves no stray .tmp beside the model
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return manifest
 
 

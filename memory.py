@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 
 import torch
 
@@ -380,3 +381,8 @@ def main(argv):
             stage, line = pick_stage(stage_estimates(psi, args.world, zcfg, act, block, root), args.gpu_gb * 1e9)
             print(f"\nactivations of one micro-batch ({cfg['batch_size']} x {cfg['block_size']} tokens): "
                   f"{act.peak() / 1e9:.3g} GB\n{line}")
+
+
+if __name__ == '__main__':  # importable only (before: exit 0 and no output); the estimator's command is zero.py's
+    print("memory.py is a module, not a command: run python zero.py estimate (--help for its options)", file=sys.stderr)
+    sys.exit(2)

@@ -231,7 +231,10 @@ class GPT(nn.Module):
         for _ in range(max_new_tokens):
             idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
             logits, _ = self(idx_cond)
-            logits = logits[:, -1, :].float() / temperature  # (B, vocab_size)
+            logits = logits[:, -1, :].float()  # (B, vocab_size)
+            # less the max first (softmax is the same): a tiny temperature then sends the rest to -inf, not the max to
+            # inf (inf - inf: nan probabilities), so any temperature > 0 samples, and one near 0 decodes greedily
+            logits = (logits - logits.amax(-1, keepdim=True)) / temperature
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float('Inf')

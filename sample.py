@@ -8,7 +8,9 @@ $ python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples
 $ python sample.py --ckpt=model.pt
 """
 import argparse
+import math
 import os
+import re
 
 import torch
 
@@ -76,7 +78,10 @@ def main(argv=None):
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     args = parser.parse_args(argv)
     wrong = [f"--{k}={getattr(args, k)}: use at least 1" for k in ('num_samples', 'max_new_tokens', 'top_k') if getattr(args, k) < 1]
-    wrong += [f"--temperature={args.temperature}: use a value > 0 (--top_k=1 decodes greedily)"] * (args.temperature <= 0)
+    wrong += [f"--temperature={args.temperature}: use a finite value > 0 (--top_k=1 decodes greedily)"] * (
+        not 0 < args.temperature < math.inf)  # (nan too; a tiny one is fine: model.generate shifts the logits first)
+    wrong += [f"--seed={args.seed}: use an integer from 0 to 2**64 - 1"] * (not 0 <= args.seed < 2**64)  # torch's range
+    wrong += [f"--device={args.device}: use cpu or cuda (cuda:N)"] * (not re.fullmatch(r'cpu|cuda(:\d+)?', args.device))
     wrong += ["--start is empty: give at least one character (the default is a newline)"] * (args.start in ('', 'FILE:'))
     wrong += [f"--device={args.device}: torch sees no GPU here, use --device=cpu"] * (
         args.device.startswith('cuda') and not torch.cuda.is_available())

@@ -743,14 +743,17 @@ def test_sample_py_samples_with_dropout_off(tmp_path):
 
 
 @pytest.mark.parametrize('args, message', [
-    (['--temperature=0'], "--temperature=0.0: use a value > 0"), (['--top_k=0'], "--top_k=0: use at least 1"),
+    (['--temperature=0'], "--temperature=0.0: use a finite value > 0"), (['--top_k=0'], "--top_k=0: use at least 1"),
+    (['--temperature=nan'], "--temperature=nan: use a finite value > 0 (--top_k=1 decodes greedily)"),
     (['--num_samples=0'], "--num_samples=0: use at least 1"), (['--start='], "--start is empty"),
     (['--start=FILE:/no/such/file'], "--start=FILE:/no/such/file: No such file or directory"),
-    (['--device=cuda'], "--device=cuda: torch sees no GPU here, use --device=cpu")])
+    (['--device=cuda'], "--device=cuda: torch sees no GPU here, use --device=cpu"),
+    (['--device=tpu'], "--device=tpu: use cpu or cuda (cuda:N)"),
+    (['--seed=999999999999999999999'], "--seed=999999999999999999999: use an integer from 0 to 2**64 - 1")])
 def test_sample_py_refuses_settings_that_cannot_sample_in_one_line(capsys, monkeypatch, args, message):
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)  # --device=cuda: on a machine without a GPU
-    # before: a RuntimeError or IndexError from deep in generate (temperature 0, top_k 0, an empty start), or an empty
-    # run that said nothing (num_samples 0)
+    # before: a RuntimeError or IndexError from deep in generate (temperature 0 or nan, top_k 0, an empty start) or from
+    # torch (device tpu, a seed past 64 bits), or an empty run that said nothing (num_samples 0)
     with pytest.raises(SystemExit) as e:
         sample.main([f'--out_dir={straight_run()[0]}', '--device=cpu', *args])
     last = capsys.readouterr().err.splitlines()[-1]  # argparse's usage, then this
@@ -763,6 +766,34 @@ def test_consolidate_into_a_directory_that_is_not_there_stops_in_one_line_before
     r = subprocess.run([sys.executable, 'consolidate.py', straight_run()[0], '-o', out], capture_output=True, text=True,
                        timeout=120)
     assert (r.returncode, r.stderr) == (1, f"checkpoint error: -o {out}: there is no directory {tmp_path}/missing: make it first\n")
+
+
+@pytest.mark.parametrize('out, message', [('dir', "is a directory, give a file name"),
+                                          ('/proc/m.pt', "cannot write there (No such file or directory)")])
+def test_consolidate_to_a_directory_or_where_it_cannot_write_stops_in_one_line_before_reading(tmp_path, out, message):
+    # before: IsADirectoryError after reading the whole checkpoint, a stray dir.tmp left; /proc: a 15-line traceback.
+    # The checkpoint named is not there: the -o check is what answers, so it comes before any read
+    out = str(tmp_path / out) if out == 'dir' else out
+    os.makedirs(str(tmp_path / 'dir'))
+    r = subprocess.run([sys.executable, 'consolidate.py', str(tmp_path / 'no-checkpoint'), '-o', out],
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr) == (1, f"checkpoint error: -o {out}: {message}\n")
+    assert sorted(os.listdir(tmp_path)) == ['dir'] and os.listdir(tmp_path / 'dir') == []
+
+
+def test_consolidate_leaves_no_tmp_file_when_the_write_fails(tmp_path, monkeypatch):
+    # a disk that fills during torch.save: the error goes up as it is, and no half-written model.pt.tmp stays behind
+    manifest = {'model_args': {}, 'iter_num': 1, 'best_val_loss': 1.0, 'config': {}, 'stage': 2, 'world_size': 2,
+                'meta': {'tokenizer': 'char'}}
+    monkeypatch.setattr(consolidate, 'full_state_dict', lambda path, dtype: ({}, manifest))
+
+    def full_disk(obj, f):
+        open(f, 'wb').write(b'half')
+        raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(torch, 'save', full_disk)
+    with pytest.raises(OSError, match='No space left'):
+        consolidate.consolidate('ckpt', str(tmp_path / 'model.pt'))
+    assert os.listdir(tmp_path) == []
 
 
 def test_sample_py_given_one_ranks_shard_file_says_what_it_takes():

@@ -115,6 +115,11 @@ def test_bench_scale_and_study_link_refuse_what_they_cannot_run_before_running_a
     assert ran == [f"{989e12 / 4e11:.4g}"]
     with pytest.raises(ValueError, match="a link is named twice"):  # before: one row, the two runs' steps pooled
         bench_scale.bench_scale(parser.parse_args([*tiny, '--link=ib400', '--set=device=cpu']))
+    with pytest.raises(ValueError, match=r"^--speedup needs --link: it projects the step time on a simulated link, "
+                                         r"e\.g\. --link ib400$"):  # before: ignored without a word
+        no_link = [a for a in tiny if a != '--link=ib400']
+        bench_scale.bench_scale(parser.parse_args([*no_link, '--speedup=h100', '--set=device=cpu']))
+    assert ran == [f"{989e12 / 4e11:.4g}"]  # no kind ran for either
     # and study_link.py --append with nothing to append to: one line before any run, not a traceback after
     out = subprocess.run([sys.executable, 'study_link.py', '--append', '--out', str(tmp_path / 'study')],
                          capture_output=True, text=True, timeout=120)
@@ -163,6 +168,20 @@ def test_bench_link_fits_a_ring_exactly():
         points = [(nbytes, truth.seconds(kind, nbytes, 4)) for nbytes in (4096, 2**20, 2**24)]
         bandwidth, latency = bench_link.fit(points, 4, kind)
         assert (bandwidth, latency) == (pytest.approx(0.5e9, rel=1e-9), pytest.approx(300e-6, rel=1e-9))
+
+
+def test_bench_link_needs_two_ranks_before_any_timing(monkeypatch):
+    # before: at 1 rank (torchrun --nproc_per_node=1) every collective was timed, then the fit said "the timings do not
+    # fit a ring ...: run again on a quieter machine"; alone (no torchrun, no WORLD_SIZE), torch's env:// error
+    monkeypatch.setattr(dist, 'init_process_group', lambda *a, **k: pytest.fail("the process group started"))
+    for world_size in ('1', None):
+        if world_size:
+            monkeypatch.setenv('WORLD_SIZE', world_size)
+        else:
+            monkeypatch.delenv('WORLD_SIZE', raising=False)
+        with pytest.raises(ValueError, match=r"^needs at least 2 ranks: torchrun --standalone --nproc_per_node=2 "
+                                             r"bench\.py link$"):
+            bench_link.bench_link(None)
 
 
 def _time_collectives_rank(rank, world_size, init_file):

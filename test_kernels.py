@@ -1564,11 +1564,29 @@ def test_bench_kernels_ratios_are_our_time_over_torchs(monkeypatch, capsys):
     (["scale", "--world", "-4"], "bench.py scale: --world -4: give the number of ranks to be rank 0 of, at least 1"),
     (["scale", "--kinds", "zero3,zero4"], "bench.py scale: unknown kinds ['zero4']: choose from zero1,zero2,zero3,fsdp2"),
     (["scale", "--world", "8", "--set", "n_layerz=2"], "bench.py scale: unknown config key 'n_layerz' in --n_layerz=2; "
-                                                       "did you mean n_layer?")])
+                                                       "did you mean n_layer?"),
+    (["kernels", "--device", "cpu", "--modes", "--sizes", "100"],  # was 0 elements after rounding, a ZeroDivisionError
+     "bench.py kernels: --sizes 100: --modes needs sizes of at least 256 (one 8-bit block)"),
+    (["zero", "--set", "device=tpu"], "bench.py zero: device='tpu': use 'cpu' (gloo), or 'cuda' (nccl) where torch sees "
+                                      f"a GPU (torch.cuda.is_available() is {torch.cuda.is_available()} here)"),
+    (["link"], "bench.py link: needs at least 2 ranks: torchrun --standalone --nproc_per_node=2 bench.py link")])
 def test_bench_py_says_what_it_cannot_run_in_one_line(args, line):
-    # before: a traceback each (--world -4: four, then a table of kinds that did not run, and exit code 0)
-    out = subprocess.run([sys.executable, "bench.py", *args], capture_output=True, text=True, timeout=120)
+    # before: a traceback each (--world -4: four, then a table of kinds that did not run, and exit code 0; zero's
+    # device=tpu: torch.device's, as the process group started; link alone: torch's env:// error, with no fix)
+    out = subprocess.run([sys.executable, "bench.py", *args], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})  # not under torchrun
     assert out.returncode == 2 and out.stderr == line + "\n", out.stderr[-2000:]
+
+
+def test_bench_kernels_on_cuda_without_a_gpu_says_use_cpu(monkeypatch):
+    # before: torch's AssertionError "Torch not compiled with CUDA enabled", from the first CUDA tensor
+    import argparse
+
+    import bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^--device cuda: torch sees no GPU here, use --device cpu$"):
+        bench.bench_kernels(argparse.Namespace(device="cuda", sizes="1K", modes=False, grad_dtype="float32", against=None))
+
 
 def test_the_references_code_maps_are_copied_to_a_device_once():
     # kernels._maps_on: on a GPU each copy from pageable host memory is a host sync (test_gpu.py counts none)

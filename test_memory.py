@@ -97,6 +97,14 @@ def test_estimate_refuses_what_it_cannot_estimate_in_one_line(capsys, args, mess
     assert e.value.code == 2 and err.splitlines()[-1].startswith(f"python zero.py estimate: error: {message}"), err
 
 
+def test_memory_py_run_as_a_script_points_to_zero_py_estimate():
+    # before: exit code 0 and no output (memory.py is the estimator's module; its command line is zero.py's)
+    out = subprocess.run([sys.executable, 'memory.py', 'estimate', '--params', '1e9', '--world', '8'],
+                         capture_output=True, text=True, timeout=120, env=QUIET)
+    assert (out.returncode, out.stdout, out.stderr) == (
+        2, '', "memory.py is a module, not a command: run python zero.py estimate (--help for its options)\n")
+
+
 def test_estimate_communication_with_accumulation_is_a_plus_1_psi_for_stage_2_and_3a_psi_for_stage_3():
     a = 4  # 32 micro-steps over 8 ranks
     out = paper_rows(estimate('--params', '13e9', '--world', '8', '--set', f'gradient_accumulation_steps={8 * a}'))

@@ -120,6 +120,21 @@ def test_ctrl_c_ends_a_run_in_one_line_and_its_checkpoints_resume(tmp_path):
     assert again.returncode == 0 and re.search(r'resuming from \S+ckpt-0000000[2-9]', again.stdout), again.stderr
 
 
+def test_bench_train_refuses_a_bad_nproc_or_device_before_any_job(monkeypatch):
+    # before: --nproc=-2 a 33-line traceback from torchrun, --nproc=0 two ranks without a word, device=tpu torch.device's
+    # traceback before the config was checked (an adversarial sweep)
+    monkeypatch.setattr(bench_train, "run_job", lambda *a: pytest.fail("a job started"))
+    for nproc, settings, message in (
+            (-2, [], "bench.py train: --nproc=-2: use at least 1"), (0, [], "bench.py train: --nproc=0: use at least 1"),
+            (None, ["device=tpu"], "bench.py train: device='tpu': use 'cpu' (gloo), or 'cuda' (nccl) where torch sees a "
+                                   f"GPU (torch.cuda.is_available() is {torch.cuda.is_available()} here)")):
+        args = argparse.Namespace(config="config/shakespeare_cpu.py", set=settings, vary=[], runs=1, iters=3, warm=1,
+                                  nproc=nproc)
+        with pytest.raises(SystemExit) as e:
+            bench_train.bench_train(args)
+        assert e.value.code == message  # sys.exit's: that line on stderr, exit code 1
+
+
 FLOORS = {**{k: 1 for k in ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'gradient_accumulation_steps',
                             'eval_iters', 'eval_interval', 'log_interval', 'keep_last')},
           **{k: 0 for k in ('max_iters', 'warmup_iters', 'lr_decay_iters', 'learning_rate', 'min_lr', 'weight_decay',
