@@ -919,6 +919,18 @@ static float __shfl_xor_sync(unsigned mask, float value, int lane_mask) {
   return other;
 }
 
+// The same for a warp's integer max (REDUX on sm_80+): each posts its value, all wait, each takes its warp's max.
+static unsigned reduce_slots[1024];
+static unsigned __reduce_max_sync(unsigned mask, unsigned value) {
+  if (mask != 0xFFFFFFFFu) abort();
+  reduce_slots[threadIdx.x] = value;
+  __syncthreads();
+  unsigned most = 0;
+  for (unsigned t = threadIdx.x & ~31u; t < (threadIdx.x & ~31u) + 32; ++t) most = reduce_slots[t] > most ? reduce_slots[t] : most;
+  __syncthreads();
+  return most;
+}
+
 // the 8-bit kernel's L2 prefetches ([Note: the 8-bit kernel's memory hints]): each address the last launch asked for
 static std::vector<const void*> prefetched;
 #define HOST_PREFETCH(p) prefetched.push_back(p)

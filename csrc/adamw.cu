@@ -143,10 +143,18 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
       }
       store8(a.master, i, vec, master); store8(a.param, i, vec, param);
     }
-    for (int lanes = 16; lanes > 0; lanes >>= 1) {  // max is exact, so any order gives the CPU's absmax
+    // the warp's absmax: each lane's is a float >= 0 (not NaN: fmaxf drops one), ordered as its bits are, so one
+    // integer max of the bits (REDUX on sm_80+: 25 instructions a round fewer than 5 shuffles and maxes each); max is
+    // exact, so any order gives the CPU's absmax. Older GPUs shuffle (the host emulation runs the REDUX form)
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+    absmax_m = float_of(__reduce_max_sync(0xFFFFFFFFu, bits_of(absmax_m)));
+    absmax_v = float_of(__reduce_max_sync(0xFFFFFFFFu, bits_of(absmax_v)));
+#else
+    for (int lanes = 16; lanes > 0; lanes >>= 1) {
       absmax_m = fmaxf(absmax_m, __shfl_xor_sync(0xFFFFFFFFu, absmax_m, lanes));
       absmax_v = fmaxf(absmax_v, __shfl_xor_sync(0xFFFFFFFFu, absmax_v, lanes));
     }
+#endif
     if (active) {
       uint8_t codes_m[8], codes_v[8];
       const float scale_m = code_scale(absmax_m), scale_v = code_scale(absmax_v);
