@@ -931,6 +931,14 @@ static unsigned __reduce_max_sync(unsigned mask, unsigned value) {
   return most;
 }
 
+// byte n of the result: byte (selector >> 4n) & 7 of the 8 bytes y:x (the kernel's only mode)
+static unsigned __byte_perm(unsigned x, unsigned y, unsigned selector) {
+  const unsigned long long bytes = (unsigned long long)y << 32 | x;
+  unsigned out = 0;
+  for (int n = 0; n < 4; ++n) out |= (unsigned)(bytes >> 8 * ((selector >> 4 * n) & 7) & 0xFF) << 8 * n;
+  return out;
+}
+
 // the 8-bit kernel's L2 prefetches ([Note: the 8-bit kernel's memory hints]): each address the last launch asked for
 static std::vector<const void*> prefetched;
 #define HOST_PREFETCH(p) prefetched.push_back(p)
