@@ -193,20 +193,33 @@ def library_at(rev, impl):
         if done.returncode:
             raise SystemExit(f"--against {rev}: git cannot show csrc/{name} there: {done.stderr.strip()}")
         return done.stdout
-    source = show("adamw_cpu.cpp" if impl == "cpu" else "adamw.cu")
+    source, common = show("adamw_cpu.cpp" if impl == "cpu" else "adamw.cu"), show("adamw_common.h")
     try:
-        return library.build(impl, source.replace('#include "adamw_common.h"', show("adamw_common.h")))
+        lib = library.build(impl, source.replace('#include "adamw_common.h"', common))
     except RuntimeError as e:  # e.g. its AdamWArgs has other fields than library.AdamWArgs
         raise SystemExit(f"--against {rev}: {e}") from None
+    # csrc/ before the 8-bit bucket tables were stored rotated (6b343c3) reads them in order: give it them so
+    lib.buckets_in_order = "(int32_t)(b ^ 0x80000000u) >> 16" in common
+    return lib
 
 
 def with_library(impl, lib, fn):
-    """fn() with kernels.adamw_step(impl=impl) running lib (a library.Library)."""
+    """fn() with kernels.adamw_step(impl=impl) running lib (a library.Library), and the code tables lib reads."""
     ours, kernels._LIBRARIES[impl] = kernels._LIBRARIES[impl], lib
+    tables = kernels._code_tables
+    if getattr(lib, "buckets_in_order", False):
+        made = lib.__dict__.setdefault("tables_in_order", {})  # once a device (same_bits runs lib before any timing)
+
+        def in_order(device):
+            if device not in made:
+                maps, buckets = tables(device)
+                made[device] = maps, torch.cat([b.roll(1 << 15) for b in buckets.split(1 << 16)])
+            return made[device]
+        kernels._code_tables = in_order
     try:
         fn()
     finally:
-        kernels._LIBRARIES[impl] = ours
+        kernels._LIBRARIES[impl], kernels._code_tables = ours, tables
 
 
 def mode_shard(mode, n, device, weights):

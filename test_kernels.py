@@ -1638,6 +1638,25 @@ def test_bench_kernels_modes_prints_a_row_per_mode():
     assert all(0.0 < f < 100.0 for f in of_copy), of_copy
 
 
+@pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="-march=haswell code needs an x86 CPU with AVX2 and FMA")
+def test_bench_kernels_against_a_commit_before_the_rotated_bucket_tables_gets_the_tables_in_order(monkeypatch, tmp_path):
+    # --against 18550ab (before 6b343c3 stored the 8-bit bucket tables rotated): its code_of reads them in order. Built
+    # for AVX2 (the buckets' encode; a CPU with VBMI never reads them), it gets every int8 code right only if
+    # with_library hands it the tables in order, as a GPU's build would need too (a review found every int8 mode failed).
+    import bench
+    for name in ("adamw_cpu.cpp", "adamw_common.h"):
+        shown = subprocess.run(["git", "show", f"18550ab:csrc/{name}"], capture_output=True, text=True,
+                               cwd=os.path.dirname(os.path.abspath(__file__)))
+        if shown.returncode:
+            pytest.skip("no history here: 18550ab is not in this clone")
+        (tmp_path / name).write_text(shown.stdout)
+    monkeypatch.setattr(library, "CPU_FLAGS", [*library.CPU_FLAGS, "-march=haswell"])
+    old = bench.library_at(str(tmp_path), "cpu")
+    assert old.buckets_in_order and not bench.library_at("HEAD", "cpu").buckets_in_order
+    assert bench.same_bits("cpu", old, torch.device("cpu")) == [m[0] for m in bench.PRECISION_MODES]
+    assert kernels._code_tables.__module__ == "kernels"  # today's tables are back after the swap
+
+
 def test_bench_kernels_modes_against_a_commit_runs_that_commits_kernel_in_turns():
     # --against REV: csrc/ at REV, built and loaded beside today's library; each mode's "vs REV" column. HEAD's csrc/
     # is today's in a clean clone (the same cached library); the swap is checked in process: the library at REV
