@@ -101,8 +101,8 @@ def copy_bandwidth(device, n):
 
 
 def bench_kernels(args):
-    if args.device == "cuda" and not torch.cuda.is_available():  # before: torch's AssertionError at the first tensor
-        raise ValueError("--device cuda: torch sees no GPU here, use --device cpu")
+    if args.device.split(":")[0] == "cuda" and not torch.cuda.is_available():  # before: torch's AssertionError
+        raise ValueError(f"--device {args.device}: torch sees no GPU here, use --device cpu")
     device = torch.device(args.device)
     sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else \
         [2**20 * k for k in ((1, 4, 16, 64, 256) if device.type == "cuda" else (1, 4, 16, 64))]

@@ -270,7 +270,8 @@ def bench_zero(args):
     # in a function that binds `torch` as a local name, unbound wherever the import did not run.)
     if 'ddp+zero_redundancy' in args.kinds.split(','):
         from torch.distributed import optim  # noqa: F401
-    train.check_config(cfg, int(os.environ.get('WORLD_SIZE', 1)))  # before the process group: device=tpu is one line
+    # before the process group (device=tpu: one line), at the world size it will have (no RANK: a 1-rank group)
+    train.check_config(cfg, int(os.environ['WORLD_SIZE']) if 'RANK' in os.environ else 1)
     device, rank, world_size = comm.start_process_group(cfg['device'], cfg['backend'])
     kinds = args.kinds.split(',')
     if {k.split(':')[0] for k in kinds} - set(KINDS):

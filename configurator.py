@@ -38,16 +38,17 @@ def parse_config(argv, defaults, also=None):
             if overridden:
                 raise ValueError(f"config file {arg} comes after {overridden}, and would undo it: put config files first")
             namespace = {}
-            try:
+            try:  # compiled under the file's name: an error's line is found in the file's own frame
                 with open(arg) as f:
-                    exec(f.read(), namespace)
-            except Exception as e:  # one line: the file, the line (its frame's, '<string>'), what Python said
+                    code = f.read()
+                exec(compile(code, arg, 'exec'), namespace)
+            except Exception as e:  # one line: the file, the line, what Python said
                 line = e.lineno if isinstance(e, SyntaxError) else next(
-                    (t.lineno for t in reversed(traceback.extract_tb(e.__traceback__)) if t.filename == '<string>'), None)
+                    (t.lineno for t in reversed(traceback.extract_tb(e.__traceback__)) if t.filename == arg), None)
                 raise ValueError(f"config file {arg}{f' line {line}' * bool(line)}: {type(e).__name__}: "
                                  f"{e.msg if isinstance(e, SyntaxError) else e} (a config file is Python: key = value lines)")
             keys = [k for k, v in namespace.items() if not k.startswith('_') and not callable(v) and not isinstance(v, type(sys))]
-            if not keys:  # e.g. JSON or YAML: valid Python that assigns nothing
+            if not keys and ast.parse(code).body:  # statements that set nothing: JSON or YAML (an empty file is fine)
                 raise ValueError(f"config file {arg} sets no keys: write Python assignments, e.g. batch_size = 4")
             for key in keys:
                 check_key(key, arg)

@@ -11,6 +11,7 @@ GPT.load_state_dict(strict=True) accepts it. The tokenizer's meta rides along, f
 """
 import argparse
 import os
+import tempfile
 import sys
 
 import torch
@@ -59,9 +60,9 @@ def consolidate(path, out_file, dtype=torch.float32):
         raise ValueError(f"-o {out_file}: there is no directory {os.path.dirname(os.path.abspath(out_file))}: make it first")
     if os.path.isdir(out_file):
         raise ValueError(f"-o {out_file}: is a directory, give a file name")
-    try:  # the temporary file made and removed: a place we cannot write (/proc, read-only) fails now, before the read
-        open(tmp, 'wb').close()
-        os.remove(tmp)
+    try:  # a file of its own made and removed there: a place we cannot write (/proc, read-only) fails now, before the read
+        with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(out_file))):
+            pass
     except OSError as e:
         raise ValueError(f"-o {out_file}: cannot write there ({e.strerror})") from None
     state, manifest = full_state_dict(path, dtype)

@@ -80,7 +80,7 @@ def main(argv=None):
     wrong = [f"--{k}={getattr(args, k)}: use at least 1" for k in ('num_samples', 'max_new_tokens', 'top_k') if getattr(args, k) < 1]
     wrong += [f"--temperature={args.temperature}: use a finite value > 0 (--top_k=1 decodes greedily)"] * (
         not 0 < args.temperature < math.inf)  # (nan too; a tiny one is fine: model.generate shifts the logits first)
-    wrong += [f"--seed={args.seed}: use an integer from 0 to 2**64 - 1"] * (not 0 <= args.seed < 2**64)  # torch's range
+    wrong += [f"--seed={args.seed}: use an integer from -2**63 to 2**64 - 1"] * (not -2**63 <= args.seed < 2**64)  # torch's
     wrong += [f"--device={args.device}: use cpu or cuda (cuda:N)"] * (not re.fullmatch(r'cpu|cuda(:\d+)?', args.device))
     wrong += ["--start is empty: give at least one character (the default is a newline)"] * (args.start in ('', 'FILE:'))
     wrong += [f"--device={args.device}: torch sees no GPU here, use --device=cpu"] * (

@@ -749,7 +749,7 @@ def test_sample_py_samples_with_dropout_off(tmp_path):
     (['--start=FILE:/no/such/file'], "--start=FILE:/no/such/file: No such file or directory"),
     (['--device=cuda'], "--device=cuda: torch sees no GPU here, use --device=cpu"),
     (['--device=tpu'], "--device=tpu: use cpu or cuda (cuda:N)"),
-    (['--seed=999999999999999999999'], "--seed=999999999999999999999: use an integer from 0 to 2**64 - 1")])
+    (['--seed=999999999999999999999'], "--seed=999999999999999999999: use an integer from -2**63 to 2**64 - 1")])
 def test_sample_py_refuses_settings_that_cannot_sample_in_one_line(capsys, monkeypatch, args, message):
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)  # --device=cuda: on a machine without a GPU
     # before: a RuntimeError or IndexError from deep in generate (temperature 0 or nan, top_k 0, an empty start) or from

@@ -75,6 +75,8 @@ def test_a_config_files_mistake_is_one_line_naming_the_file_and_its_line(tmp_pat
     with pytest.raises(ValueError, match=re.escape(f"config file {tmp_path / 'ok.py'} comes after --n_layer=3, and would "
                                                    "undo it: put config files first")):
         train.parse_config(['--n_layer=3', str(tmp_path / 'ok.py')])
+    (tmp_path / 'empty.py').write_text("# nothing set: the defaults, as nanoGPT takes it\n")
+    assert train.parse_config([str(tmp_path / 'empty.py')]) == train.DEFAULTS
     with pytest.raises(ValueError, match=re.escape(f"config file {tmp_path} is a directory;")):
         train.parse_config([str(tmp_path)])
     with pytest.raises(ValueError, match=re.escape("config file -batch_size=4 not found (did you mean --batch_size=4?)")):
@@ -113,8 +115,9 @@ def test_ctrl_c_ends_a_run_in_one_line_and_its_checkpoints_resume(tmp_path):
             break
     run.send_signal(signal.SIGINT)
     _, stderr = run.communicate(timeout=60)
-    assert run.returncode == 130 and stderr == (f"interrupted: every checkpoint in {out_dir} is whole (a save is a rename); "
-                                                "continue the run with --init_from=resume\n")
+    assert run.returncode == 130 and re.fullmatch(re.escape(out_dir) + r"/ckpt-0000000[2-9] is whole \(a save is a "
+                                                  r"rename\): continue the run with --init_from=resume\n", stderr[13:]), stderr
+    assert stderr.startswith('interrupted: ')
     again = subprocess.run([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *small, '--max_iters=6',
                             '--init_from=resume'], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and re.search(r'resuming from \S+ckpt-0000000[2-9]', again.stdout), again.stderr

@@ -397,6 +397,7 @@ if __name__ == '__main__':
         main(config)
     except KeyboardInterrupt:  # Ctrl-C: one line from rank 0, not a traceback from wherever it landed; 130 as a shell's
         if os.environ.get('RANK', '0') == '0':
-            print(f"interrupted: every checkpoint in {config['out_dir']} is whole (a save is a rename); continue the run "
-                  "with --init_from=resume", file=sys.stderr)
+            saved = resume.latest(config['out_dir'])
+            print("interrupted: " + (f"{saved} is whole (a save is a rename): continue the run with --init_from=resume"
+                                     if saved else "no checkpoint saved yet"), file=sys.stderr)
         sys.exit(130)

@@ -37,7 +37,7 @@ __global__ void adamw_kernel(const AdamWArgs a, int64_t begin, int64_t end) {
 // uint8 state: [Note: 8-bit state]. One warp per 256-element quantization block, its values in registers from the
 // load to the store: lane l holds elements 8l .. 8l + 7 (the codes as one 8-byte load, the other streams as 16- or
 // 32-byte loads) when every pointer is aligned for that (`vec`), else elements l, l + 32, ... (scalar, coalesced).
-// The block's new absmax is a warp shuffle reduction, the code maps sit in shared memory, the buckets are read
+// The block's new absmax is a warp reduction (one REDUX), the code maps sit in shared memory, the buckets are read
 // through the L1 cache: each block is read once and written once. A CUDA block is 8 warps, each taking 8
 // quantization blocks in turn, so that the maps are loaded into shared memory once per 16K elements.
 // [Note: registers for occupancy] Left alone, nvcc gives this kernel 80-102 registers a thread: 2 CUDA blocks (16
@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
     }
     // the warp's absmax: each lane's is a float >= 0 (not NaN: fmaxf drops one), ordered as its bits are, so one
     // integer max of the bits (REDUX on sm_80+: 25 instructions a round fewer than 5 shuffles and maxes each); max is
-    // exact, so any order gives the CPU's absmax. Older GPUs shuffle (the host emulation runs the REDUX form)
+    // exact, so any order gives the CPU's absmax. Older GPUs shuffle (no test here runs that branch: the host emulation
+    // takes the REDUX form, and nvcc 13 builds sm_75 with the shuffles, which the GPU passes before 27 Nov ran on sm_90)
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     absmax_m = float_of(__reduce_max_sync(0xFFFFFFFFu, bits_of(absmax_m)));
     absmax_v = float_of(__reduce_max_sync(0xFFFFFFFFu, bits_of(absmax_v)));
