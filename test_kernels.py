@@ -1034,6 +1034,28 @@ def test_cuda_kernel_equals_the_cpu_kernel_bit_for_bit(impl, weights, state):
                 assert same_bits(a, b)
 
 
+def test_the_cuda_kernels_absmax_by_shuffles_for_gpus_before_sm80_equals_the_cpu_kernel():
+    # csrc/adamw.cu reduces a block's absmax with one REDUX on sm_80+ and with shuffles before: the host emulation takes
+    # the REDUX form, so here the source is built with the shuffles instead, and the 8-bit modes compared as above
+    reduce = "#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800"
+    assert library.CUDA_SOURCE.count(reduce) == 1, "update this test to the kernel's #if"
+    launch = re.compile(r"(\w+<[^<>;]*>)<<<(.*?), (\w+), 0, stream>>>\((.*?)\);")
+    source = HOST_CUDA_PRELUDE + launch.sub(r"host_launch(\1, \2, \3, \4);", library.CUDA_SOURCE.replace(reduce, "#if 0"))
+    shuffles = library.Library(host_library(source, "adamw_cuda_on_host_shuffles"))
+    n = 256 * 96
+    for weights in ("fp32+bf16param", "remainder"):
+        cpu = Shard(n, weights, "uint8")
+        other = cpu.to("cpu")
+        gen = torch.Generator().manual_seed(2)
+        for step in (1, 2):
+            grad = spiky_grad(n, gen)
+            cpu.step("cpu", grad, weight_decay=0.1, decay_numel=5001, step=step)
+            with mock.patch.dict(kernels._LIBRARIES, {"cpu": shuffles}):
+                other.step("cpu", grad, weight_decay=0.1, decay_numel=5001, step=step)
+        for a, b in zip(cpu.tensors(), other.tensors()):
+            assert same_bits(a, b)
+
+
 @functools.cache
 def avx2_cpu_library():
     """csrc/adamw_cpu.cpp built as for a CPU with AVX2 and no AVX-512 (-march=haswell, e.g. most laptops): the branch

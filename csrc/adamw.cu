@@ -153,8 +153,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
     }
     // the warp's absmax: each lane's is a float >= 0 (not NaN: fmaxf drops one), ordered as its bits are, so one
     // integer max of the bits (REDUX on sm_80+: 25 instructions a round fewer than 5 shuffles and maxes each); max is
-    // exact, so any order gives the CPU's absmax. Older GPUs shuffle (no test here runs that branch: the host emulation
-    // takes the REDUX form, and nvcc 13 builds sm_75 with the shuffles, which the GPU passes before 27 Nov ran on sm_90)
+    // exact, so any order gives the CPU's absmax. Older GPUs shuffle (the host emulation runs the REDUX form, and the
+    // shuffles in test_the_cuda_kernels_absmax_by_shuffles_for_gpus_before_sm80_equals_the_cpu_kernel)
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
     absmax_m = float_of(__reduce_max_sync(0xFFFFFFFFu, bits_of(absmax_m)));
     absmax_v = float_of(__reduce_max_sync(0xFFFFFFFFu, bits_of(absmax_v)));
