@@ -138,6 +138,17 @@ def test_bench_train_refuses_a_bad_nproc_or_device_before_any_job(monkeypatch):
         assert e.value.code == message  # sys.exit's: that line on stderr, exit code 1
 
 
+def test_a_world_size_without_a_rank_is_checked_as_the_one_rank_it_runs():
+    # WORLD_SIZE left in the environment without RANK: comm.start_process_group runs the job alone (world 1), and the
+    # config is now checked at that size (before: 3 micro-steps "not divisible by the 2 ranks" of a 1-rank run)
+    env = {k: v for k, v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')}
+    args = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2', '--eval_iters=1',
+            '--eval_interval=1000', '--max_iters=1', '--gradient_accumulation_steps=3', '--eval_only=True']
+    r = subprocess.run([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *args],
+                       env={**env, 'WORLD_SIZE': '2'}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and 'world size 1' in r.stdout, r.stderr
+
+
 FLOORS = {**{k: 1 for k in ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'gradient_accumulation_steps',
                             'eval_iters', 'eval_interval', 'log_interval', 'keep_last')},
           **{k: 0 for k in ('max_iters', 'warmup_iters', 'lr_decay_iters', 'learning_rate', 'min_lr', 'weight_decay',
