@@ -19,7 +19,6 @@ On a CPU, gloo's collectives run on threads that compete with the compute for th
 through memory the compute also uses: a fit of collectives timed alone says what they cost on an idle
 machine, not what they take away from compute running beside them (see the README's calibration row).
 """
-import os
 import time
 
 import torch
@@ -73,7 +72,7 @@ def fit(points, world_size, kind='all_gather'):
 
 
 def bench_link(args):
-    if int(os.environ.get('WORLD_SIZE', 1)) < 2:  # one rank has no link to time (the fit said "run again ..." after it)
+    if comm.launched_world_size() < 2:  # one rank has no link to time (the fit said "run again ..." after it)
         raise ValueError("needs at least 2 ranks: torchrun --standalone --nproc_per_node=2 bench.py link")
     dist.init_process_group('gloo')
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -25,7 +25,6 @@ profiler there). On GPUs, one per rank, NCCL, bf16 compute, GPT-2 124M (its conf
     torchrun --standalone --nproc_per_node=8 bench.py zero --config=config/gpt2_124m.py --rounds=5
 """
 import argparse
-import os
 import resource
 import sys
 import time
@@ -270,8 +269,7 @@ def bench_zero(args):
     # in a function that binds `torch` as a local name, unbound wherever the import did not run.)
     if 'ddp+zero_redundancy' in args.kinds.split(','):
         from torch.distributed import optim  # noqa: F401
-    # before the process group (device=tpu: one line), at the world size it will have (no RANK: a 1-rank group)
-    train.check_config(cfg, int(os.environ['WORLD_SIZE']) if 'RANK' in os.environ else 1)
+    train.check_config(cfg, comm.launched_world_size())  # before the process group: device=tpu is one line
     device, rank, world_size = comm.start_process_group(cfg['device'], cfg['backend'])
     kinds = args.kinds.split(',')
     if {k.split(':')[0] for k in kinds} - set(KINDS):

@@ -214,6 +214,11 @@ class Comm:
 # A run's process group: its start (start_process_group, restart_store) and its end (end_process_group)
 
 
+def launched_world_size():
+    """The world size start_process_group will give this process: a launcher's WORLD_SIZE if it set RANK too, else 1."""
+    return int(os.environ['WORLD_SIZE']) if 'RANK' in os.environ else 1
+
+
 def start_process_group(device_name, backend='', quiet_for=30.0):
     """Under torchrun: one process per rank, its device, its backend ('' = nccl on GPUs, gloo on CPUs). Without
     torchrun: world size 1 (a 1-rank process group, so every stage runs the same code). Returns (device, rank,

@@ -233,9 +233,10 @@ class GPT(nn.Module):
             logits, _ = self(idx_cond)
             logits = logits[:, -1, :].float()  # (B, vocab_size)
             # less the max first (softmax is the same): a tiny temperature then sends the rest to -inf, not the max to
-            # inf (inf - inf: nan probabilities), so any temperature > 0 samples, and one near 0 decodes greedily
-            logits = (logits - logits.amax(-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)  # (0
-            # in fp32 below that: 0 / 0)
+            # inf (inf - inf: nan probabilities), so any temperature > 0 samples, and one near 0 decodes greedily; one
+            # below fp32's smallest normal would be 0 in fp32 (0 / 0), so it is floored there
+            temperature = max(temperature, torch.finfo(torch.float32).tiny)
+            logits = (logits - logits.amax(-1, keepdim=True)) / temperature
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float('Inf')

@@ -387,7 +387,7 @@ if __name__ == '__main__':
         sys.exit(print(__doc__.strip(), *(f'  --{k}={v!r}' for k, v in DEFAULTS.items()), sep='\n'))
     try:
         config = parse_config(sys.argv[1:])
-        check_config(config, int(os.environ['WORLD_SIZE']) if 'RANK' in os.environ else 1)  # no RANK: a 1-rank group
+        check_config(config, comm.launched_world_size())
         lock = checkpoint.claim(config['out_dir']) if os.environ.get('RANK', '0') == '0' and not config['eval_only'] else None
         if os.path.exists(os.path.join(data_dir(config), 'meta.json')):  # else the vocab is known after preparing it
             resume.find_resume(config, model_args(config, vocab_size(config)))  # a bad checkpoint: one line too
