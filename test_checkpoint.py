@@ -760,6 +760,19 @@ def test_sample_py_refuses_settings_that_cannot_sample_in_one_line(capsys, monke
     assert e.value.code == 2 and f".py: error: {message}" in last, last
 
 
+@pytest.mark.parametrize('device, message', [
+    ('cuda:1', "--device=cuda:1: torch sees 1 GPU(s) here, cuda:0 to cuda:0: name one of them"),
+    ('cuda:x', "--device=cuda:x: use cpu or cuda (cuda:N)")])
+def test_sample_py_on_a_one_gpu_machine_refuses_a_gpu_that_is_not_there_in_one_line(capsys, monkeypatch, device, message):
+    # the GPU machine stood in for: before, model.to('cuda:1') raised CUDA's "invalid device ordinal" after the load
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
+    with pytest.raises(SystemExit) as e:
+        sample.main([f'--out_dir={straight_run()[0]}', f'--device={device}'])
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert e.value.code == 2 and f".py: error: {message}" in last, last
+
+
 def test_consolidate_into_a_directory_that_is_not_there_stops_in_one_line_before_reading(tmp_path):
     # before: a traceback from torch.save, after the whole checkpoint was read and checked
     out = str(tmp_path / 'missing' / 'model.pt')

@@ -108,6 +108,7 @@ def test_bench_scale_and_study_link_refuse_what_they_cannot_run_before_running_a
     bench_scale.add_arguments(parser)
     tiny = ['--config=config/shakespeare_cpu.py', '--kinds=zero3', '--world=8', '--link=ib400', '--set=n_layer=1']
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)  # a GPU machine, for check_config
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 1)
     with pytest.raises(ValueError, match="--speedup projects a CPU's compute .*: on a GPU, leave it out"):
         bench_scale.bench_scale(parser.parse_args([*tiny, '--speedup=h100', '--set=device=cuda']))
     assert ran == []

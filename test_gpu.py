@@ -482,6 +482,22 @@ def test_the_gpus_spin_clock_and_free_memory_read_as_a_gpus():
 
 
 @cuda_only
+def test_a_gpu_past_the_machines_count_is_one_line_from_train_py_and_sample_py():
+    # the real device count (the CPU stand-ins: test_train.py's test_a_gpu_the_machine_lacks_is_one_line_on_every_rank,
+    # test_checkpoint.py's sample.py case): cuda:N one past the last GPU refused before any CUDA call fails on it
+    absent = f'cuda:{torch.cuda.device_count()}'
+    env = {k: v for k, v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE')}
+    out = subprocess.run([sys.executable, 'train.py', f'--device={absent}', f'--out_dir={OUT}/absent'], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and out.stderr.strip().endswith(
+        f"torch sees {torch.cuda.device_count()} GPU(s) here, cuda:0 to cuda:{torch.cuda.device_count() - 1}: name "
+        "one of them"), out.stderr
+    out = subprocess.run([sys.executable, 'sample.py', f'--device={absent}'], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2 and 'name one of them' in out.stderr.splitlines()[-1], out.stderr
+
+
+@cuda_only
 def test_a_batch_is_int64_on_the_gpu_and_equals_the_cpus():
     # train.windows on CUDA: pinned, then copied without blocking the host (its CPU stand-in: test_train.py's
     # test_on_cuda_a_batch_is_pinned_then_copied...); what arrives is what the CPU path makes

@@ -204,11 +204,37 @@ def test_where_torch_sees_a_gpu_the_cuda_settings_are_accepted(monkeypatch):
     # settings check_config reads pass (a device with its index too), and its one refusal there (the CPU kernel for
     # GPU shards) still stands
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 2)
     for args in (['--device=cuda'], ['--device=cuda:1', '--backend=nccl'], ['--device=cuda', '--optimizer_impl=cuda'],
                  ['--device=cuda:1', '--optimizer_impl=cuda', '--backend=nccl']):
         train.check_config(train.parse_config(args), world_size=2)
     with pytest.raises(ValueError, match="optimizer_impl='cpu' steps shards on the CPU, and device='cuda'"):
         train.check_config(train.parse_config(['--device=cuda', '--optimizer_impl=cpu']), world_size=2)
+
+
+@pytest.mark.parametrize('env, device, message', [
+    ({'RANK': '5', 'LOCAL_RANK': '5', 'LOCAL_WORLD_SIZE': '8'}, 'cuda',
+     "torchrun starts 8 ranks on this machine, one a GPU, and torch sees 4 GPU(s) here: use --nproc_per_node=4 "
+     "(or device=cpu)"),
+    ({'RANK': '0', 'LOCAL_RANK': '0', 'LOCAL_WORLD_SIZE': '8'}, 'cuda', "torchrun starts 8 ranks"),  # rank 0 says it
+    ({'RANK': '9', 'LOCAL_RANK': '5'}, 'cuda', "torchrun starts 6 ranks"),  # RANK set by hand: LOCAL_RANK's GPU
+    ({}, 'cuda:4', "device='cuda:4': torch sees 4 GPU(s) here, cuda:0 to cuda:3: name one of them"),
+    ({'RANK': '3', 'LOCAL_RANK': '3', 'LOCAL_WORLD_SIZE': '4'}, 'cuda', None), ({}, 'cuda:3', None)])
+def test_a_gpu_the_machine_lacks_is_one_line_on_every_rank(monkeypatch, env, device, message):
+    # a 4-GPU machine stood in for: before, torchrun --nproc_per_node=8 failed in set_device on ranks 4-7 with CUDA's
+    # "invalid device ordinal" traceback (rank 0 waiting), and a run alone on cuda:4 the same
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 4)
+    for key in ('RANK', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE'):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cfg = train.parse_config([f'--device={device}'])
+    if message is None:
+        train.check_config(cfg, world_size=1)
+    else:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            train.check_config(cfg, world_size=1)
 
 
 def test_stochastic_rounding_takes_a_32_bit_seed_named_before_training():

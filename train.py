@@ -231,12 +231,25 @@ def config_problems(cfg, world_size):
     return problems
 
 
+def gpu_problems(device, gpus):
+    """Under torchrun each rank takes the GPU of its LOCAL_RANK (comm.start_process_group), so a machine needs one GPU
+    a rank it starts; a run alone takes the one it names. Every rank finds the same answer: rank 0 says it."""
+    if 'RANK' in os.environ:
+        ranks = max(int(os.environ.get('LOCAL_WORLD_SIZE', 1)), int(os.environ.get('LOCAL_RANK', 0)) + 1)
+        return [f"torchrun starts {ranks} ranks on this machine, one a GPU, and torch sees {gpus} GPU(s) here: use "
+                f"--nproc_per_node={gpus} (or device=cpu)"] * (ranks > gpus)
+    index = int(device.partition(':')[2] or 0)
+    return [f"device={device!r}: torch sees {gpus} GPU(s) here, cuda:0 to cuda:{gpus - 1}: name one of them"] * (index >= gpus)
+
+
 def check_config(cfg, world_size):
     """Every mistake that can be found before the process group starts, as one ValueError with the fix."""
     problems, device, gpu = config_problems(cfg, world_size), cfg['device'].split(':')[0], torch.cuda.is_available()
     if device not in ('cpu', 'cuda') or (device == 'cuda' and not gpu) or (cfg['backend'], device) == ('nccl', 'cpu'):
         problems.append(f"device={cfg['device']!r}{', backend=nccl' * (cfg['backend'] == 'nccl')}: use 'cpu' (gloo), "
                         f"or 'cuda' (nccl) where torch sees a GPU (torch.cuda.is_available() is {gpu} here)")
+    elif device == 'cuda':  # a GPU that is not there: set_device's "invalid device ordinal" traceback on some ranks
+        problems += gpu_problems(cfg['device'], torch.cuda.device_count())
     if cfg['optimizer_impl'] in ('cpu', 'cuda') and cfg['optimizer_impl'] != device:
         problems.append(f"optimizer_impl={cfg['optimizer_impl']!r} steps shards on the {cfg['optimizer_impl'].upper()}, and "
                         f"device={cfg['device']!r}: use 'auto' (the device's kernel)")
