@@ -1259,6 +1259,7 @@ def test_eval_only_evaluates_a_checkpoint_saved_between_evaluations_and_writes_n
     r = subprocess.run([sys.executable, 'train.py', *run, f'--out_dir={out_dir}', '--init_from=resume',
                         '--eval_only=True', '--always_save_checkpoint=True'], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and re.search(r'^step 3: train loss [\d.]+, val loss [\d.]+$', r.stdout, re.M), r.stdout + r.stderr
+    assert 'freshly initialized' not in r.stdout
     assert sorted(os.listdir(out_dir)) == saved
 
 
@@ -1295,6 +1296,8 @@ def test_eval_only_leaves_the_training_jobs_mark_on_out_dir_alone(tmp_path):
                         '--eval_only=True'], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and 'step 0: train loss' in r.stdout, r.stderr[-2000:]
     assert sorted(os.listdir(out_dir)) == ['.job'] and (out_dir / '.job').read_text() == 'the training job'
+    # nothing to evaluate but a fresh model: said, not left to look like a trained model's loss (an adversarial sweep)
+    assert "note: eval_only=True, init_from='scratch': evaluating a freshly initialized model" in r.stdout
 
 
 def test_a_resumed_run_says_what_it_converts_and_which_batches_change():

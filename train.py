@@ -345,6 +345,9 @@ def main(cfg):
         f"{cfg['batch_size']} batch * {cfg['block_size']} tokens")
     log(f"params: {model.get_num_params() / 1e6:.2f}M, optimizer: {optimizer}")
     log(memory.startup_table(engine, world_size))
+    if cfg['eval_only'] and not found:  # init_from='scratch' (a resume with nothing to load stops in find_resume)
+        log("note: eval_only=True, init_from='scratch': evaluating a freshly initialized model (init_from='resume' "
+            "evaluates out_dir's newest checkpoint)")
     for warning in engine.cfg.warnings():
         log(f"warning: {warning}")
     if cfg['compile']:
