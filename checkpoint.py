@@ -23,7 +23,8 @@ deleted first, so a crash while pruning cannot leave a directory that looks comp
 --max-restarts=N; train.py keeps each attempt's rendezvous apart, see comm.restart_store) resumes from the newest
 one. A run from scratch refuses an out_dir that holds checkpoints: they belong to another run, and a restart or a
 keep_last cleanup would mix the two; and no two runs train in one out_dir at once ([Note: one run an out_dir],
-claim). (Several nodes need out_dir on a shared filesystem.)
+claim). (Several nodes need out_dir on a shared filesystem.) A save that cannot write (a disk full, a quota, an I/O
+error, on any rank) stops every rank together with NotSaved, its .tmp removed: the newest whole checkpoint stays.
 
 [Note: resume anywhere] The manifest says where every param's elements live: bucket, offset, shard size,
 world size. A run with the same layout copies its own file back, bit for bit. Any other world size, stage or bucket size
@@ -127,47 +128,86 @@ def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
             shutil.rmtree(stale, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier(group=process_group)
+    failed = None
     if rank < len(files):
         state = rank_state(engine)
         if rank == 0:  # frozen params are not sharded: one copy
             state['frozen'] = {n: p.detach().cpu() for n, p in engine.model.named_parameters() if not p.requires_grad}
-        crc = write(state, os.path.join(tmp, files[rank]))
-        with open(os.path.join(tmp, files[rank] + '.crc32'), 'w') as f:  # for rank 0's manifest; removed there
-            f.write(str(crc))
+        try:
+            crc = write(state, os.path.join(tmp, files[rank]))
+            with open(os.path.join(tmp, files[rank] + '.crc32'), 'w') as f:  # for rank 0's manifest; removed there
+                f.write(str(crc))
+        except OSError as e:
+            failed = e
         populations = {k: str(v.dtype)[6:] for k, v in state.items() if k != 'frozen'}
         del state  # the host copy goes before the barrier, not after the slowest rank
     fault_point('save', iter_num)
-    dist.barrier(group=process_group)  # every rank's file is complete: [Note: atomic checkpoints]
+    stop_together(engine, failed, tmp)  # a barrier: every rank's file is complete, [Note: atomic checkpoints]
     if rank == 0:
-        manifest = dict(format=FORMAT, iter_num=iter_num, best_val_loss=best_val_loss, config=cfg,
-                        model_args=model_args, data_position=dict(seed=cfg.get('seed'), next_iteration=iter_num),
-                        meta=dataset_meta(cfg['dataset']) if cfg.get('dataset') else {},  # the tokenizer, for sample.py
-                        stage=engine.stage, world_size=world_size, param_dtype=str(engine.cfg.param_dtype)[6:],
-                        precision=vars(engine.cfg.precision), populations=populations, step_count=step_count(engine),
-                        loss_scale=scaler_state(engine), layout=layout(engine),
-                        files={f: os.path.getsize(os.path.join(tmp, f)) for f in files}, crc32={})
-        for f in files:
-            with open(os.path.join(tmp, f + '.crc32')) as g:
-                manifest['crc32'][f] = int(g.read())
-            os.remove(os.path.join(tmp, f + '.crc32'))
-        with open(os.path.join(tmp, 'manifest.json'), 'w') as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        fault_point('manifest', iter_num)
-        sync_directory(tmp)  # its entries (the files' names) survive a power cut, as the files themselves do
-        os.rename(tmp, final)
-        sync_directory(out_dir)  # and so does the rename
-        prune(out_dir, cfg['keep_last'])
-    dist.barrier(group=process_group)
+        try:
+            write_manifest(engine, cfg, model_args, iter_num, best_val_loss, files, populations, tmp)
+            os.rename(tmp, final)
+        except OSError as e:
+            failed = e
+        else:
+            sync_directory(out_dir)  # and so does the rename
+            prune(out_dir, cfg['keep_last'])
+    stop_together(engine, failed, tmp)
     return final
+
+
+class NotSaved(Exception):
+    """A checkpoint that could not be written; every rank raises it at once, `own` where this rank's write failed."""
+
+    def __init__(self, message, own):
+        super().__init__(message)
+        self.own = own
+
+
+def stop_together(engine, error, tmp):
+    """A barrier that also agrees whether any rank's write failed; if one did, every rank raises NotSaved (rank 0
+    after removing the .tmp and what it holds), instead of the others waiting on it in a collective."""
+    comm = engine.comm
+    flag = torch.tensor([comm.rank + 1 if error else 0], dtype=torch.int64, device=comm.device)
+    if comm.world_size > 1 and not comm.fake:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=comm.process_group)
+    if flag.item():
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        who = comm.rank if error else flag.item() - 1  # (the last rank that failed)
+        raise NotSaved(f"{tmp[:-4]} not saved: rank {who} could not write it" + (f" ({error})" if error else ''),
+                       own=error is not None)
+
+
+def write_manifest(engine, cfg, model_args, iter_num, best_val_loss, files, populations, tmp):
+    """Rank 0, once every rank's file is complete."""
+    manifest = dict(format=FORMAT, iter_num=iter_num, best_val_loss=best_val_loss, config=cfg,
+                    model_args=model_args, data_position=dict(seed=cfg.get('seed'), next_iteration=iter_num),
+                    meta=dataset_meta(cfg['dataset']) if cfg.get('dataset') else {},  # the tokenizer, for sample.py
+                    stage=engine.stage, world_size=engine.comm.world_size, param_dtype=str(engine.cfg.param_dtype)[6:],
+                    precision=vars(engine.cfg.precision), populations=populations, step_count=step_count(engine),
+                    loss_scale=scaler_state(engine), layout=layout(engine),
+                    files={f: os.path.getsize(os.path.join(tmp, f)) for f in files}, crc32={})
+    for f in files:
+        with open(os.path.join(tmp, f + '.crc32')) as g:
+            manifest['crc32'][f] = int(g.read())
+        os.remove(os.path.join(tmp, f + '.crc32'))
+    with open(os.path.join(tmp, 'manifest.json'), 'w') as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fault_point('manifest', iter_num)
+    sync_directory(tmp)  # its entries (the files' names) survive a power cut, as the files themselves do
 
 
 def write(obj, path):
     """torch.save to path, synced to disk; returns the CRC-32 of the bytes written (no second read)."""
     with open(path, 'wb') as f:
         summed = Crc32Writer(f)
-        torch.save(obj, summed)
+        try:
+            torch.save(obj, summed)
+        except RuntimeError as e:  # torch's zip writer, closing after our write's OSError (a disk full), raises its own
+            raise e.__context__ if isinstance(e.__context__, OSError) else e  # "unexpected pos": the cause is the news
         f.flush()
         os.fsync(f.fileno())
     return summed.crc

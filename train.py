@@ -417,3 +417,8 @@ if __name__ == '__main__':
             print("interrupted: " + (f"{saved} is whole (a save is a rename): continue the run with --init_from=resume"
                                      if saved else "no checkpoint saved yet"), file=sys.stderr)
         sys.exit(130)
+    except checkpoint.NotSaved as e:  # a disk full, on any rank: every rank stops here; rank 0 says so, the failed rank why
+        rank, saved = int(os.environ.get('RANK', 0)), resume.latest(config['out_dir'])
+        sys.exit(f"{f'rank {rank}: ' * (rank > 0)}checkpoint error: {e}; nothing is lost: " + (
+            f"{saved} is whole, continue with --init_from=resume once there is room" if saved else
+            "no checkpoint was saved before") if rank == 0 or e.own else 1)
