@@ -1254,6 +1254,21 @@ def test_on_nccl_set_aside_and_saves_check_make_their_flags_on_the_ranks_gpu(tmp
     assert made == [dict(dtype=torch.int64, device=gpu)] * 2 and sent == [dist.ReduceOp.MAX, 'broadcast']
 
 
+def test_on_nccl_a_saves_failure_flag_lives_on_the_ranks_gpu(tmp_path, monkeypatch):
+    # checkpoint.stop_together, rank 1 of 2 (torch.tensor and the MAX stood in for; test_gpu.py runs it on a GPU at
+    # world 1): its own write went fine, rank 0's did not (the MAX says rank + 1 = 1): it stops too, naming rank 0
+    made, real_tensor, gpu = [], torch.tensor, torch.device('cuda', 1)
+    monkeypatch.setattr(torch, 'tensor', lambda data, **kw: made.append(kw) or real_tensor(data, dtype=kw['dtype']))
+    monkeypatch.setattr(dist, 'all_reduce', lambda t, op, group: t.fill_(max(t.item(), 1)))
+    on_gpu = types.SimpleNamespace(rank=1, world_size=2, fake=False, device=gpu, process_group=None)
+    tmp = ckpt(str(tmp_path), 10) + '.tmp'
+    os.makedirs(tmp)
+    with pytest.raises(checkpoint.NotSaved, match=re.escape(f"{tmp[:-4]} not saved: rank 0 could not write it")) as e:
+        checkpoint.stop_together(types.SimpleNamespace(comm=on_gpu), None, tmp)
+    assert not e.value.own and os.path.isdir(tmp)  # rank 0 removes the .tmp, not rank 1
+    assert made == [dict(dtype=torch.int64, device=gpu)]
+
+
 def test_train_py_reports_a_bad_checkpoint_in_one_line_and_exits_1(tmp_path):
     runs = []
     for how in ERRORS:

@@ -311,6 +311,21 @@ def test_set_aside_and_saves_check_make_their_flags_on_the_gpu(tmp_path, monkeyp
     assert made == [on.device, on.device]
 
 
+def test_a_saves_failure_flag_is_made_and_read_on_the_gpu(tmp_path, monkeypatch):
+    # checkpoint.stop_together at world 1 (the CPU stand-in at world 2: test_checkpoint.py's
+    # test_on_nccl_a_saves_failure_flag_lives_on_the_ranks_gpu): no failure, it returns; a failure, NotSaved, the .tmp gone
+    made, real_tensor = [], torch.tensor
+    monkeypatch.setattr(torch, 'tensor', lambda *a, **kw: made.append(kw.get('device')) or real_tensor(*a, **kw))
+    on = types.SimpleNamespace(rank=0, world_size=1, fake=False, process_group=None,
+                               device=torch.device('cuda' if GPU else 'cpu'))
+    tmp = str(tmp_path / 'ckpt-00000010.tmp')
+    os.makedirs(tmp)
+    checkpoint.stop_together(types.SimpleNamespace(comm=on), None, tmp)
+    with pytest.raises(checkpoint.NotSaved, match=r"ckpt-00000010 not saved: rank 0 could not write it \(\[Errno 28\]"):
+        checkpoint.stop_together(types.SimpleNamespace(comm=on), OSError(28, 'No space left on device'), tmp)
+    assert not os.path.exists(tmp) and made == [on.device, on.device]
+
+
 def test_a_stage_0_fp16_checkpoint_resumes_at_stage_0():
     first, second = result('stage 0 resume')
     for code, log in (first, second):
