@@ -69,8 +69,10 @@ def consolidate(path, out_file, dtype=torch.float32):
     info = {k: manifest[k] for k in ('model_args', 'iter_num', 'best_val_loss', 'config', 'stage', 'world_size')}
     meta = manifest.get('meta') or checkpoint.dataset_meta(manifest['config']['dataset'])  # (a checkpoint before 27 Nov)
     try:
-        torch.save({'model': state, 'meta': meta, **info}, tmp)
+        checkpoint.write({'model': state, 'meta': meta, **info}, tmp)  # torch.save, synced; a write's OSError as itself
         os.replace(tmp, out_file)
+    except OSError as e:  # a disk full, a quota
+        raise ValueError(f"-o {out_file}: could not write it ({e.strerror})") from None
     finally:  # a failed write (disk full, Ctrl-C) leaves no stray .tmp beside the model
         if os.path.exists(tmp):
             os.remove(tmp)
