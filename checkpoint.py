@@ -285,9 +285,12 @@ def claim(out_dir):
         lock.close()
         raise ValueError(f"out_dir {out_dir} is in use by another training run ({holder}): give this run its own "
                          f"out_dir, or wait for that one to end") from None
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
-    lock.flush()
+    try:
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        lock.flush()
+    except OSError as e:  # a disk full: no room for the first checkpoint either
+        raise ValueError(f"out_dir={out_dir!r} is not a directory this run can write to ({e.strerror})") from None
     return lock
 
 

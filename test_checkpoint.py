@@ -471,6 +471,12 @@ def test_train_py_stops_in_one_line_when_a_checkpoint_cannot_be_written(tmp_path
         f"checkpoint error: {out_dir}/ckpt-00000001 not saved: rank 0 could not write it ([Errno 27] File too large); "
         "nothing is lost: no checkpoint was saved before\n"), r.stderr
     assert sorted(os.listdir(out_dir)) == ['.job', '.lock']
+    full = str(tmp_path / 'full')  # no room even for out_dir/.lock: before, a traceback from claim
+    r = subprocess.run([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *SMALL, f'--out_dir={full}'],
+                       capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0)))
+    assert (r.returncode, r.stderr) == (1, f"config error: out_dir={full!r} is not a directory this run can write to "
+                                           "(File too large)\n"), r.stderr
 
 
 def test_manifest_describes_the_layout_and_the_run():
