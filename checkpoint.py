@@ -106,8 +106,9 @@ def step_count(engine):
 
 
 def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
-    """Every rank of the engine's process group calls it. Returns the path of the complete checkpoint."""
-    rank, world_size, process_group = engine.comm.rank, engine.comm.world_size, engine.comm.process_group
+    """Every rank of the engine's process group calls it. Returns the path of the complete checkpoint, or raises NotSaved
+    on every rank where any rank could not write its part."""
+    rank, world_size = engine.comm.rank, engine.comm.world_size
     out_dir = cfg['out_dir']
     final = os.path.join(out_dir, f'ckpt-{iter_num:08d}')
     tmp = final + '.tmp'
@@ -120,15 +121,18 @@ def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
     if saved.item():
         return final
     files = [f'rank{r:05d}.pt' for r in range(world_size if engine.stage else 1)]  # stage 0: one copy, rank 0's
+    failed = None  # an OSError of this rank's: a disk full, a quota, an I/O error
     if rank == 0:
         log(f"saving checkpoint {final} ({len(files)} shard file(s))")
         # left by a crash: .tmp directories of earlier saves, and this save's ckpt-N if it has no manifest (a prune
         # or an rm -r cut short: not a checkpoint, and the rename below could not replace it)
         for stale in glob.glob(os.path.join(out_dir, 'ckpt-*.tmp')) + [final] * os.path.exists(final):
             shutil.rmtree(stale, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier(group=process_group)
-    failed = None
+        try:
+            os.makedirs(tmp)
+        except OSError as e:  # (a full disk has no block for a directory either)
+            failed = e
+    stop_together(engine, failed, tmp)
     if rank < len(files):
         state = rank_state(engine)
         if rank == 0:  # frozen params are not sharded: one copy
@@ -174,7 +178,7 @@ def stop_together(engine, error, tmp):
     if flag.item():
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        who = comm.rank if error else flag.item() - 1  # (the last rank that failed)
+        who = comm.rank if error else flag.item() - 1  # (the highest-numbered rank that failed)
         raise NotSaved(f"{tmp[:-4]} not saved: rank {who} could not write it" + (f" ({error})" if error else ''),
                        own=error is not None)
 
@@ -207,7 +211,7 @@ def write(obj, path):
         try:
             torch.save(obj, summed)
         except RuntimeError as e:  # torch's zip writer, closing after our write's OSError (a disk full), raises its own
-            raise e.__context__ if isinstance(e.__context__, OSError) else e  # "unexpected pos": the cause is the news
+            raise (e.__context__ if isinstance(e.__context__, OSError) else e) from None  # not "unexpected pos"
         f.flush()
         os.fsync(f.fileno())
     return summed.crc

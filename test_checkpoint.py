@@ -90,7 +90,7 @@ class Run:
     litter: bool = False  # out_dir starts with what crashes leave: a .tmp with a manifest, half-pruned directories
     frozen: tuple = ()  # params that do not train; a run from scratch sets them to pretrained(p), not their init
     inf_at: int = None  # the last rank gets an inf grad at this iteration: the step is skipped on every rank
-    fail_write: tuple = ()  # (rank, 'file' or 'manifest'): that rank's write of the last save fails, as on a full disk
+    fail_write: tuple = ()  # (rank, 'dir', 'file' or 'manifest'): that rank's write of the last save fails (a full disk)
 
 
 def pretrained(p):
@@ -124,8 +124,8 @@ def run(rank, groups, job_dir, r):
         elif it in r.save_at:
             late = mock.patch.object(checkpoint, 'write', functools.partial(write_late, checkpoint.write))
             full = bool(r.fail_write) and rank == r.fail_write[0] and it == max(r.save_at)
-            disk_full = mock.patch.object(checkpoint, {'file': 'write', 'manifest': 'write_manifest'}[r.fail_write[1]],
-                                          no_space) if full else nullcontext()
+            where = {'dir': (os, 'makedirs'), 'file': (checkpoint, 'write'), 'manifest': (checkpoint, 'write_manifest')}
+            disk_full = mock.patch.object(*where[r.fail_write[1]], no_space) if full else nullcontext()
             with late if r.slow_write and rank == 1 else disk_full:
                 try:
                     checkpoint.save(engine, cfg, train.model_args(cfg, train.vocab_size(cfg)), it, 0.0, log=QUIET)
@@ -218,7 +218,8 @@ JOBS = {
     'slow writer': [Run('slow', 2, 1, stop=1, save_at=(1,), slow_write=True)],
     'litter': [Run('out', 2, 2, stop=2, save_at=(1, 2), cfg=dict(keep_last=1), litter=True)],
     'a disk full': [Run('rank 1', 2, 2, stop=2, save_at=(1, 2), fail_write=(1, 'file')),
-                    Run('rank 0', 2, 2, stop=2, save_at=(1, 2), fail_write=(0, 'manifest'))],
+                    Run('rank 0', 2, 2, stop=2, save_at=(1, 2), fail_write=(0, 'manifest')),
+                    Run('rank 0 dir', 2, 2, stop=2, save_at=(1, 2), fail_write=(0, 'dir'))],
 }
 REMAINDER = dict(dtype='bfloat16', master_weights='remainder', state_dtype='int8')  # bf16 param + int16, 8-bit moments
 NONE = dict(dtype='bfloat16', master_weights='none', state_dtype='bfloat16', stochastic_rounding=True)
@@ -440,15 +441,15 @@ def test_manifest_is_written_after_every_rank_finished_its_file():
 
 
 def test_a_disk_full_on_any_rank_stops_every_rank_together_and_the_last_checkpoint_stays_whole():
-    """checkpoint.stop_together: rank 1's shard file, or rank 0's manifest, cannot be written (ENOSPC, stood in for) at
-    the second save: every rank of the save raises NotSaved at once, rank 0 has removed the .tmp, and the first save is
+    """checkpoint.stop_together: rank 1's shard file, rank 0's manifest, or rank 0's ckpt-N.tmp/ cannot be written
+    (ENOSPC, stood in for) at the second save: every rank of the save raises NotSaved at once, rank 0 has removed the .tmp, and the first save is
     still the newest whole checkpoint (verify reads it whole). Before, the failed rank died in a traceback and the
     others waited in the save's barrier (gloo: until its timeout; under torchrun: until it killed them). That every
     later job of the spawn ran is the proof that no rank was left behind in a collective."""
     _, every, root = spawned()
-    for name, failed in (('rank 1', 1), ('rank 0', 0)):
-        out_dir = os.path.join(root, 'a disk full', name)
-        results = [every[r]['a disk full'][1 if failed == 0 else 0] for r in range(2)]
+    for i, run in enumerate(JOBS['a disk full']):
+        out_dir, failed = os.path.join(root, 'a disk full', run.name), run.fail_write[0]
+        results = [every[r]['a disk full'][i] for r in range(2)]
         for rank, result in enumerate(results):
             assert not isinstance(result, Exception), result
             assert result['not_saved'].startswith(f"{out_dir}/ckpt-00000002 not saved: rank {failed} could not write it")
@@ -469,7 +470,7 @@ def test_train_py_stops_in_one_line_when_a_checkpoint_cannot_be_written(tmp_path
                        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000)))
     assert r.returncode == 1 and r.stderr == (
         f"checkpoint error: {out_dir}/ckpt-00000001 not saved: rank 0 could not write it ([Errno 27] File too large); "
-        "nothing is lost: no checkpoint was saved before\n"), r.stderr
+        "no checkpoint was saved: a new run starts over\n"), r.stderr
     assert sorted(os.listdir(out_dir)) == ['.job', '.lock']
     full = str(tmp_path / 'full')  # no room even for out_dir/.lock: before, a traceback from claim
     r = subprocess.run([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *SMALL, f'--out_dir={full}'],

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -111,6 +112,8 @@ def test_ctrl_c_ends_a_run_in_one_line_and_its_checkpoints_resume(tmp_path):
     run = subprocess.Popen([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *small, '--max_iters=100000'],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, 'PYTHONFAULTHANDLER': '1'})  # a SIGABRT prints every thread's stack
+    watchdog = threading.Timer(180, run.kill)  # a run that never reaches iteration 4 ends too (and the test fails)
+    watchdog.start()
     try:
         for line in run.stdout:  # past iteration 2's checkpoint
             if line.startswith('iter 4:'):
@@ -122,6 +125,7 @@ def test_ctrl_c_ends_a_run_in_one_line_and_its_checkpoints_resume(tmp_path):
             run.send_signal(signal.SIGABRT)
             pytest.fail(f"still running 60 s after SIGINT; its threads then:\n{run.communicate(timeout=30)[1][-6000:]}")
     finally:
+        watchdog.cancel()
         run.kill()  # never a run of 100000 iterations left behind
     assert run.returncode == 130 and re.fullmatch(re.escape(out_dir) + r"/ckpt-0000000[2-9] is whole \(a save is a "
                                                   r"rename\): continue the run with --init_from=resume\n", stderr[13:]), stderr
@@ -220,29 +224,36 @@ def test_where_torch_sees_a_gpu_the_cuda_settings_are_accepted(monkeypatch):
         train.check_config(train.parse_config(['--device=cuda', '--optimizer_impl=cpu']), world_size=2)
 
 
-@pytest.mark.parametrize('env, device, message', [
+@pytest.mark.parametrize('env, device, message, says', [
     ({'RANK': '5', 'LOCAL_RANK': '5', 'LOCAL_WORLD_SIZE': '8'}, 'cuda',
-     "torchrun starts 8 ranks on this machine, one a GPU, and torch sees 4 GPU(s) here: use --nproc_per_node=4 "
-     "(or device=cpu)"),
-    ({'RANK': '0', 'LOCAL_RANK': '0', 'LOCAL_WORLD_SIZE': '8'}, 'cuda', "torchrun starts 8 ranks"),  # rank 0 says it
-    ({'RANK': '9', 'LOCAL_RANK': '5'}, 'cuda', "torchrun starts 6 ranks"),  # RANK set by hand: LOCAL_RANK's GPU
-    ({}, 'cuda:4', "device='cuda:4': torch sees 4 GPU(s) here, cuda:0 to cuda:3: name one of them"),
-    ({'RANK': '3', 'LOCAL_RANK': '3', 'LOCAL_WORLD_SIZE': '4'}, 'cuda', None), ({}, 'cuda:3', None)])
-def test_a_gpu_the_machine_lacks_is_one_line_on_every_rank(monkeypatch, env, device, message):
+     "this machine runs 8 ranks, one GPU each (cuda:LOCAL_RANK), and torch sees 4 GPU(s) here: start at most 4 a machine "
+     "(torchrun --nproc_per_node=4), or use device=cpu", False),
+    ({'RANK': '0', 'LOCAL_RANK': '0', 'LOCAL_WORLD_SIZE': '8'}, 'cuda', "this machine runs 8 ranks", True),
+    ({'RANK': '8', 'LOCAL_RANK': '0', 'LOCAL_WORLD_SIZE': '8'}, 'cuda', "this machine runs 8 ranks", True),  # node 2's
+    ({'RANK': '9', 'LOCAL_RANK': '5'}, 'cuda', "this machine runs at least 6 ranks", True),  # RANK set by hand
+    ({'RANK': '5', 'LOCAL_RANK': '5', 'LOCAL_WORLD_SIZE': '8', 'CUDA_VISIBLE_DEVICES': '0,1,2,3'}, 'cuda',
+     "torch sees 4 GPU(s) here (CUDA_VISIBLE_DEVICES='0,1,2,3'): start at most 4", False),
+    ({}, 'cuda:4', "device='cuda:4': torch sees 4 GPU(s) here, cuda:0 to cuda:3: name one of them", True),
+    ({}, 'cuda:x', "device='cuda:x': use 'cpu' (gloo), or 'cuda' (nccl)", True),
+    ({'RANK': '3', 'LOCAL_RANK': '3', 'LOCAL_WORLD_SIZE': '4'}, 'cuda', None, None), ({}, 'cuda:3', None, None)])
+def test_a_gpu_the_machine_lacks_is_one_line_from_each_machines_first_rank(monkeypatch, env, device, message, says):
     # a 4-GPU machine stood in for: before, torchrun --nproc_per_node=8 failed in set_device on ranks 4-7 with CUDA's
-    # "invalid device ordinal" traceback (rank 0 waiting), and a run alone on cuda:4 the same
+    # "invalid device ordinal" traceback (rank 0 waiting), and a run alone on cuda:4 the same. Another machine of the
+    # job may have its GPUs: so the first rank of each machine says it (config_error), not rank 0 alone
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 4)
-    for key in ('RANK', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE'):
+    for key in ('RANK', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'CUDA_VISIBLE_DEVICES'):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     cfg = train.parse_config([f'--device={device}'])
     if message is None:
         train.check_config(cfg, world_size=1)
-    else:
-        with pytest.raises(ValueError, match=re.escape(message)):
-            train.check_config(cfg, world_size=1)
+        return
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        train.check_config(cfg, world_size=1)
+    rank = int(env.get('RANK', 0))
+    assert train.config_error(e.value, rank) == (f"{f'rank {rank}: ' * (rank > 0)}config error: {e.value}" if says else 1)
 
 
 def test_stochastic_rounding_takes_a_32_bit_seed_named_before_training():

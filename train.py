@@ -16,6 +16,7 @@ assignments) or as --key=value after it.
 import dataclasses
 import math
 import os
+import re
 import sys
 import time
 from contextlib import nullcontext
@@ -231,13 +232,21 @@ def config_problems(cfg, world_size):
     return problems
 
 
+class MachineError(ValueError):
+    """A mistake of one machine's (its GPUs), which other machines of the job may not share: each machine's first rank
+    says it (config_error)."""
+
+
 def gpu_problems(device, gpus):
-    """Under torchrun each rank takes the GPU of its LOCAL_RANK (comm.start_process_group), so a machine needs one GPU
-    a rank it starts; a run alone takes the one it names. Every rank finds the same answer: rank 0 says it."""
+    """Under a launcher each rank takes the GPU of its LOCAL_RANK (comm.start_process_group), so a machine needs one GPU
+    a rank it runs; a run alone takes the one it names."""
     if 'RANK' in os.environ:
-        ranks = max(int(os.environ.get('LOCAL_WORLD_SIZE', 1)), int(os.environ.get('LOCAL_RANK', 0)) + 1)
-        return [f"torchrun starts {ranks} ranks on this machine, one a GPU, and torch sees {gpus} GPU(s) here: use "
-                f"--nproc_per_node={gpus} (or device=cpu)"] * (ranks > gpus)
+        local = os.environ.get('LOCAL_WORLD_SIZE')  # torchrun's, per machine; else at least LOCAL_RANK + 1
+        ranks = max(int(local or 1), int(os.environ.get('LOCAL_RANK', 0)) + 1)
+        visible = os.environ.get('CUDA_VISIBLE_DEVICES')
+        return [f"this machine runs {'at least ' * (not local)}{ranks} ranks, one GPU each (cuda:LOCAL_RANK), and torch "
+                f"sees {gpus} GPU(s) here{f' (CUDA_VISIBLE_DEVICES={visible!r})' * (visible is not None)}: start at "
+                f"most {gpus} a machine (torchrun --nproc_per_node={gpus}), or use device=cpu"] * (ranks > gpus)
     index = int(device.partition(':')[2] or 0)
     return [f"device={device!r}: torch sees {gpus} GPU(s) here, cuda:0 to cuda:{gpus - 1}: name one of them"] * (index >= gpus)
 
@@ -245,16 +254,18 @@ def gpu_problems(device, gpus):
 def check_config(cfg, world_size):
     """Every mistake that can be found before the process group starts, as one ValueError with the fix."""
     problems, device, gpu = config_problems(cfg, world_size), cfg['device'].split(':')[0], torch.cuda.is_available()
-    if device not in ('cpu', 'cuda') or (device == 'cuda' and not gpu) or (cfg['backend'], device) == ('nccl', 'cpu'):
+    machine = []  # a GPU that is not there: set_device's "invalid device ordinal" traceback, on some ranks
+    if (not re.fullmatch(r'cpu|cuda(:\d+)?', cfg['device']) or (device == 'cuda' and not gpu)
+            or (cfg['backend'], device) == ('nccl', 'cpu')):
         problems.append(f"device={cfg['device']!r}{', backend=nccl' * (cfg['backend'] == 'nccl')}: use 'cpu' (gloo), "
                         f"or 'cuda' (nccl) where torch sees a GPU (torch.cuda.is_available() is {gpu} here)")
-    elif device == 'cuda':  # a GPU that is not there: set_device's "invalid device ordinal" traceback on some ranks
-        problems += gpu_problems(cfg['device'], torch.cuda.device_count())
+    elif device == 'cuda':
+        machine = gpu_problems(cfg['device'], torch.cuda.device_count())
     if cfg['optimizer_impl'] in ('cpu', 'cuda') and cfg['optimizer_impl'] != device:
         problems.append(f"optimizer_impl={cfg['optimizer_impl']!r} steps shards on the {cfg['optimizer_impl'].upper()}, and "
                         f"device={cfg['device']!r}: use 'auto' (the device's kernel)")
-    if problems:
-        raise ValueError(problems[0])
+    if problems or machine:
+        raise ValueError(problems[0]) if problems else MachineError(machine[0])
     found = all(os.path.exists(os.path.join(data_dir(cfg), f'{s}.bin')) for s in ('train', 'val'))
     if not found and cfg['dataset'] not in PREPARED_ON_FIRST_USE:
         raise ValueError(f"dataset={cfg['dataset']!r}: {os.path.relpath(data_dir(cfg))}/train.bin and val.bin not found; prepare them "
@@ -301,8 +312,11 @@ def compile_model(model, engine):
     model.head = torch.compile(model.head)
 
 
-def config_error(e, rank):  # sys.exit's: one line from rank 0 (every rank meets it), or from a rank a file was Unreadable to
-    return f"{f'rank {rank}: ' * (rank > 0)}config error: {e}" if rank == 0 or isinstance(e, resume.Unreadable) else 1
+def config_error(e, rank):  # sys.exit's: one line from rank 0 (every rank meets it), from a rank a file was Unreadable
+    # to, or from each machine's first rank that a MachineError stops
+    first = os.environ.get('LOCAL_RANK', '0') == '0' or 'LOCAL_WORLD_SIZE' not in os.environ
+    says = rank == 0 or isinstance(e, resume.Unreadable) or (isinstance(e, MachineError) and first)
+    return f"{f'rank {rank}: ' * (rank > 0)}config error: {e}" if says else 1
 
 
 def main(cfg):
@@ -418,7 +432,8 @@ if __name__ == '__main__':
                                      if saved else "no checkpoint saved yet"), file=sys.stderr)
         sys.exit(130)
     except checkpoint.NotSaved as e:  # a disk full, on any rank: every rank stops here; rank 0 says so, the failed rank why
+        comm.end_process_group(torch.device(config['device']))  # every rank is here: ended, not left to NCCL's warning
         rank, saved = int(os.environ.get('RANK', 0)), resume.latest(config['out_dir'])
-        sys.exit(f"{f'rank {rank}: ' * (rank > 0)}checkpoint error: {e}; nothing is lost: " + (
-            f"{saved} is whole, continue with --init_from=resume once there is room" if saved else
-            "no checkpoint was saved before") if rank == 0 or e.own else 1)
+        then = (f"{saved} is the newest whole checkpoint: continue with --init_from=resume once there is room" if saved
+                else "no checkpoint was saved: a new run starts over")
+        sys.exit(f"{f'rank {rank}: ' * (rank > 0)}checkpoint error: {e}; {then}" if rank == 0 or e.own else 1)
