@@ -23,7 +23,7 @@ deleted first, so a crash while pruning cannot leave a directory that looks comp
 --max-restarts=N; train.py keeps each attempt's rendezvous apart, see comm.restart_store) resumes from the newest
 one. A run from scratch refuses an out_dir that holds checkpoints: they belong to another run, and a restart or a
 keep_last cleanup would mix the two; and no two runs train in one out_dir at once ([Note: one run an out_dir],
-claim). (Several nodes need out_dir on a shared filesystem.) A save that cannot write (a disk full, a quota, an I/O
+resume.claim). (Several nodes need out_dir on a shared filesystem.) A save that cannot write (a disk full, a quota, an I/O
 error, on any rank) stops every rank together with NotSaved, its .tmp removed: the newest whole checkpoint stays.
 
 [Note: resume anywhere] The manifest says where every param's elements live: bucket, offset, shard size,
@@ -33,14 +33,11 @@ it (memory-mapped, so only what is read is loaded: past verify, which reads each
 stores it in its own precision. No conversion step for the user. Ranks and barriers are the engine's process group's
 (engine.comm), not necessarily the whole job's.
 """
-import errno
-import fcntl
 import glob
 import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import zlib
 
@@ -262,41 +259,6 @@ def fault_point(where, iteration):
     attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
     if attempt < len(faults) and faults[attempt] == f"{where}:{iteration}:{os.environ.get('RANK')}":
         os.kill(os.getpid(), signal.SIGKILL)
-
-# -----------------------------------------------------------------------------
-# one run an out_dir
-
-
-def claim(out_dir):
-    """[Note: one run an out_dir] Rank 0 of a training run holds an exclusive lock on out_dir/.lock until its
-    process ends (the returned file stays open): a second run on the same out_dir would delete the first one's
-    .tmp directory mid-save, skip saves the other wrote first and prune the other's checkpoints. A crashed or
-    restarted run's lock goes with its process. ValueError, naming the holder, if another run has it."""
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        lock = open(os.path.join(out_dir, '.lock'), 'a+')
-    except OSError as e:  # before, found at the first save, after the training it would have kept
-        raise ValueError(f"out_dir={out_dir!r} is not a directory this run can write to ({e.strerror})") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # a filesystem without locks (NFS without lockd, ...)
-            print(f"warning: out_dir {out_dir} cannot be locked here ({e.strerror}): nothing keeps a second run out of it",
-                  file=sys.stderr)
-            return lock
-        lock.seek(0)
-        holder = lock.read().strip() or 'another process'
-        lock.close()
-        raise ValueError(f"out_dir {out_dir} is in use by another training run ({holder}): give this run its own "
-                         f"out_dir, or wait for that one to end") from None
-    try:
-        lock.truncate(0)
-        lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
-        lock.flush()
-    except OSError as e:  # a disk full: no room for the first checkpoint either
-        raise ValueError(f"out_dir={out_dir!r} is not a directory this run can write to ({e.strerror})") from None
-    return lock
-
 
 class Shards:
     """A checkpoint's rank files, memory-mapped on first use: the fp32 values of any range of any param."""

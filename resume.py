@@ -7,15 +7,19 @@ Which checkpoint a run resumes from, and whether it is whole: checkpoint.py save
     verify(path, manifest, comm)           every file's CRC-32, each file read by one rank, a MAX telling them all
     find_resume(cfg, model_args)           the newest whole one, the damaged ones newer than it passed over
     set_aside(damaged, comm, log)          rank 0 renames each damaged one ckpt-N.damaged
+    claim(out_dir)                         rank 0 of a training run locks out_dir: one run an out_dir
 
 Errors: Damaged (the checkpoint no longer holds what was saved: fall back, [Note: a damaged checkpoint]),
 Unreadable (an I/O error: it may pass, no fallback), any other ValueError (another format, another model, nothing
 left to train). Each is one line naming the file and the fix.
 """
+import errno
+import fcntl
 import glob
 import json
 import os
 import socket
+import sys
 import zlib
 
 import torch
@@ -126,6 +130,37 @@ def crc32_of(file):
 
 
 NO_FALLBACK = "put the file back from a copy, or start over in another out_dir (init_from='scratch')"
+
+
+def claim(out_dir):
+    """[Note: one run an out_dir] Rank 0 of a training run holds an exclusive lock on out_dir/.lock until its
+    process ends (the returned file stays open): a second run on the same out_dir would delete the first one's
+    .tmp directory mid-save, skip saves the other wrote first and prune the other's checkpoints. A crashed or
+    restarted run's lock goes with its process. ValueError, naming the holder, if another run has it."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        lock = open(os.path.join(out_dir, '.lock'), 'a+')
+    except OSError as e:  # before, found at the first save, after the training it would have kept
+        raise ValueError(f"out_dir={out_dir!r} is not a directory this run can write to ({e.strerror})") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # a filesystem without locks (NFS without lockd, ...)
+            print(f"warning: out_dir {out_dir} cannot be locked here ({e.strerror}): nothing keeps a second run out of it",
+                  file=sys.stderr)
+            return lock
+        lock.seek(0)
+        holder = lock.read().strip() or 'another process'
+        lock.close()
+        raise ValueError(f"out_dir {out_dir} is in use by another training run ({holder}): give this run its own "
+                         f"out_dir, or wait for that one to end") from None
+    try:
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        lock.flush()
+    except OSError as e:  # a disk full: no room for the first checkpoint either
+        raise ValueError(f"out_dir={out_dir!r} is not a directory this run can write to ({e.strerror})") from None
+    return lock
 
 
 # [Note: a restart of this job] torchrun --max-restarts=N starts every worker again after any failure, a config error of

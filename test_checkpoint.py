@@ -1288,11 +1288,11 @@ def test_train_py_reports_a_bad_checkpoint_in_one_line_and_exits_1(tmp_path):
 
 
 def test_a_second_run_on_an_out_dir_in_use_stops_in_one_line_and_the_first_keeps_it(tmp_path, monkeypatch, capsys):
-    """[Note: one run an out_dir] (checkpoint.claim): two runs sharing an out_dir deleted each other's .tmp mid-save
+    """[Note: one run an out_dir] (resume.claim): two runs sharing an out_dir deleted each other's .tmp mid-save
     (one died at its save) and pruned each other's checkpoints. The first run's rank 0 holds the lock until its
     process ends; the second stops before its process group starts."""
     out_dir = str(tmp_path / 'shared')
-    first = checkpoint.claim(out_dir)  # this process stands in for a run in progress
+    first = resume.claim(out_dir)  # this process stands in for a run in progress
     r = subprocess.run([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *SMALL, f'--out_dir={out_dir}'],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stdout == '', r.stderr
@@ -1302,16 +1302,16 @@ def test_a_second_run_on_an_out_dir_in_use_stops_in_one_line_and_the_first_keeps
                                 f'--out_dir={out_dir}', '--eval_only=True'], capture_output=True, text=True, timeout=120)
     assert evaluates.returncode == 0 and 'step 0: train loss' in evaluates.stdout, evaluates.stderr  # saves nothing
     first.close()  # the run ended (or crashed): the out_dir is free again
-    checkpoint.claim(out_dir).close()
+    resume.claim(out_dir).close()
     def no_locks(*args):  # NFS without lockd, Lustre mounted noflock: the run goes on, said to be unguarded
         raise OSError(errno.ENOLCK, 'No locks available')
-    monkeypatch.setattr(checkpoint.fcntl, 'flock', no_locks)
-    assert checkpoint.claim(out_dir) is not None and capsys.readouterr().err == (
+    monkeypatch.setattr(resume.fcntl, 'flock', no_locks)
+    assert resume.claim(out_dir) is not None and capsys.readouterr().err == (
         f"warning: out_dir {out_dir} cannot be locked here (No locks available): nothing keeps a second run out of it\n")
     for bad in (tmp_path / 'a_file', ''):  # before, found at the first save, after the training
         (tmp_path / 'a_file').touch()
         with pytest.raises(ValueError, match=f"out_dir='{bad}' is not a directory this run can write to"):
-            checkpoint.claim(str(bad))
+            resume.claim(str(bad))
 
 
 def test_eval_only_evaluates_a_checkpoint_saved_between_evaluations_and_writes_nothing(tmp_path):

@@ -292,7 +292,7 @@ def test_a_shard_changed_at_its_size_stops_verify_with_its_flags_on_the_gpu(tmp_
     assert made == [on.device, on.device]  # the flags, made where the engine's collectives run
 
 
-def test_set_aside_and_saves_check_make_their_flags_on_the_gpu(tmp_path, monkeypatch):
+def test_set_aside_and_saves_checks_make_their_flags_on_the_gpu(tmp_path, monkeypatch):
     # resume.set_aside's flag and checkpoint.save's "saved already?" on the engine's device (at world 1 no MAX or
     # broadcast runs; test_checkpoint.py stands in for those at world 2): a ckpt-N with a manifest is not saved again,
     # then set aside as ckpt-N.damaged
@@ -308,22 +308,13 @@ def test_set_aside_and_saves_check_make_their_flags_on_the_gpu(tmp_path, monkeyp
     logged = []
     resume.set_aside([(path, 'a test')], on, logged.append)
     assert os.path.isdir(path + '.damaged') and not os.path.exists(path) and 'set aside as ckpt-00000010.damaged' in logged[0]
-    assert made == [on.device, on.device]
-
-
-def test_a_saves_failure_flag_is_made_and_read_on_the_gpu(tmp_path, monkeypatch):
-    # checkpoint.stop_together at world 1 (the CPU stand-in at world 2: test_checkpoint.py's
-    # test_on_nccl_a_saves_failure_flag_lives_on_the_ranks_gpu): no failure, it returns; a failure, NotSaved, the .tmp gone
-    made, real_tensor = [], torch.tensor
-    monkeypatch.setattr(torch, 'tensor', lambda *a, **kw: made.append(kw.get('device')) or real_tensor(*a, **kw))
-    on = types.SimpleNamespace(rank=0, world_size=1, fake=False, process_group=None,
-                               device=torch.device('cuda' if GPU else 'cpu'))
-    tmp = str(tmp_path / 'ckpt-00000010.tmp')
-    os.makedirs(tmp)
-    checkpoint.stop_together(types.SimpleNamespace(comm=on), None, tmp)
+    # and a save's failure flag (checkpoint.stop_together; at world 2: test_checkpoint.py's
+    # test_on_nccl_a_saves_failure_flag_lives_on_the_ranks_gpu): none, it returns; one, NotSaved, the .tmp gone
+    os.makedirs(path + '.tmp')
+    checkpoint.stop_together(types.SimpleNamespace(comm=on), None, path + '.tmp')
     with pytest.raises(checkpoint.NotSaved, match=r"ckpt-00000010 not saved: rank 0 could not write it \(\[Errno 28\]"):
-        checkpoint.stop_together(types.SimpleNamespace(comm=on), OSError(28, 'No space left on device'), tmp)
-    assert not os.path.exists(tmp) and made == [on.device, on.device]
+        checkpoint.stop_together(types.SimpleNamespace(comm=on), OSError(28, 'No space left on device'), path + '.tmp')
+    assert not os.path.exists(path + '.tmp') and made == [on.device] * 4
 
 
 def test_a_stage_0_fp16_checkpoint_resumes_at_stage_0():

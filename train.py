@@ -418,7 +418,7 @@ if __name__ == '__main__':
     try:
         config = parse_config(sys.argv[1:])
         check_config(config, comm.launched_world_size())
-        lock = checkpoint.claim(config['out_dir']) if os.environ.get('RANK', '0') == '0' and not config['eval_only'] else None
+        lock = resume.claim(config['out_dir']) if os.environ.get('RANK', '0') == '0' and not config['eval_only'] else None
         if os.path.exists(os.path.join(data_dir(config), 'meta.json')):  # else the vocab is known after preparing it
             resume.find_resume(config, model_args(config, vocab_size(config)))  # a bad checkpoint: one line too
     except ValueError as e:  # one line, once (torchrun starts every rank with the same mistake), exit code 1
