@@ -404,6 +404,7 @@ def main(cfg):
         if device.type == 'cuda' and iter_num in (1, cfg['max_iters']):
             log(f"cuda max_memory_allocated after iteration {iter_num}: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
         if skipped == 40:  # fp16's scale now 2^-24, none would help. After the log line; every rank at once: exit 1
+            comm.end_process_group(device)  # (every rank is here: the group ended, not left to NCCL's warning at exit)
             sys.exit(f"training stopped: iterations {iter_num - skipped + 1}-{iter_num}: {skipped} steps in a row skipped, "
                      f"their grads not finite{' whatever the loss scale' if cfg['dtype'] == 'float16' else ''}: look for "
                      "NaN or inf in the data, the loss or the params, or lower learning_rate" if master_process else 1)
