@@ -151,7 +151,7 @@ def save(engine, cfg, model_args, iter_num, best_val_loss, log=print):
         except OSError as e:
             failed = e
         else:
-            sync_directory(out_dir)  # and so does the rename
+            sync_directory(out_dir)  # the rename survives a power cut too
             prune(out_dir, cfg['keep_last'])
     stop_together(engine, failed, tmp)
     return final
@@ -181,7 +181,7 @@ def stop_together(engine, error, tmp):
 
 
 def write_manifest(engine, cfg, model_args, iter_num, best_val_loss, files, populations, tmp):
-    """Rank 0, once every rank's file is complete."""
+    """Rank 0, once every rank's file is complete: the manifest, synced, then the directory's entries."""
     manifest = dict(format=FORMAT, iter_num=iter_num, best_val_loss=best_val_loss, config=cfg,
                     model_args=model_args, data_position=dict(seed=cfg.get('seed'), next_iteration=iter_num),
                     meta=dataset_meta(cfg['dataset']) if cfg.get('dataset') else {},  # the tokenizer, for sample.py
