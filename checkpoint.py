@@ -260,6 +260,10 @@ def fault_point(where, iteration):
     if attempt < len(faults) and faults[attempt] == f"{where}:{iteration}:{os.environ.get('RANK')}":
         os.kill(os.getpid(), signal.SIGKILL)
 
+# -----------------------------------------------------------------------------
+# read a checkpoint's shards, at any layout
+
+
 class Shards:
     """A checkpoint's rank files, memory-mapped on first use: the fp32 values of any range of any param."""
 

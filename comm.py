@@ -219,6 +219,15 @@ def launched_world_size():
     return int(os.environ['WORLD_SIZE']) if 'RANK' in os.environ else 1
 
 
+def absent_gpu(device_name):
+    """What is wrong with 'cuda' or 'cuda:N' as a run alone's device (it takes the GPU it names), or None. train.py and
+    sample.py ask, before any CUDA call fails on it with "invalid device ordinal"."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(device_name.partition(':')[2] or 0) >= gpus:
+        return f"torch sees {gpus} GPU(s) here, cuda:0 to cuda:{gpus - 1}: name one of them" if gpus else \
+            "torch sees no GPU here: use cpu"
+
+
 def start_process_group(device_name, backend='', quiet_for=30.0):
     """Under torchrun: one process per rank, its device, its backend ('' = nccl on GPUs, gloo on CPUs). Without
     torchrun: world size 1 (a 1-rank process group, so every stage runs the same code). Returns (device, rank,

@@ -15,6 +15,7 @@ import re
 import torch
 
 import checkpoint
+import comm
 import resume
 import consolidate
 from model import GPT, GPTConfig
@@ -83,10 +84,8 @@ def main(argv=None):
     wrong += [f"--seed={args.seed}: use an integer from -2**63 to 2**64 - 1"] * (not -2**63 <= args.seed < 2**64)  # torch's
     wrong += [f"--device={args.device}: use cpu or cuda (cuda:N)"] * (not re.fullmatch(r'cpu|cuda(:\d+)?', args.device))
     wrong += ["--start is empty: give at least one character (the default is a newline)"] * (args.start in ('', 'FILE:'))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    wrong += [f"--device={args.device}: torch sees no GPU here, use --device=cpu" if not gpus else
-              f"--device={args.device}: torch sees {gpus} GPU(s) here, cuda:0 to cuda:{gpus - 1}: name one of them"] * (
-        bool(re.fullmatch(r'cuda(:\d+)?', args.device)) and int(args.device.partition(':')[2] or 0) >= gpus)
+    absent = re.fullmatch(r'cuda(:\d+)?', args.device) and comm.absent_gpu(args.device)
+    wrong += [f"--device={args.device}: {absent}"] * bool(absent)
     if wrong:
         parser.error(wrong[0])
     path = args.ckpt or args.out_dir

@@ -801,7 +801,7 @@ def test_sample_py_samples_with_dropout_off(tmp_path):
     (['--temperature=nan'], "--temperature=nan: use a finite value > 0 (--top_k=1 decodes greedily)"),
     (['--num_samples=0'], "--num_samples=0: use at least 1"), (['--start='], "--start is empty"),
     (['--start=FILE:/no/such/file'], "--start=FILE:/no/such/file: No such file or directory"),
-    (['--device=cuda'], "--device=cuda: torch sees no GPU here, use --device=cpu"),
+    (['--device=cuda'], "--device=cuda: torch sees no GPU here: use cpu"),
     (['--device=tpu'], "--device=tpu: use cpu or cuda (cuda:N)"),
     (['--seed=999999999999999999999'], "--seed=999999999999999999999: use an integer from -2**63 to 2**64 - 1")])
 def test_sample_py_refuses_settings_that_cannot_sample_in_one_line(capsys, monkeypatch, args, message):

@@ -247,8 +247,8 @@ def gpu_problems(device, gpus):
         return [f"this machine runs {'at least ' * (not local)}{ranks} ranks, one GPU each (cuda:LOCAL_RANK), and torch "
                 f"sees {gpus} GPU(s) here{f' (CUDA_VISIBLE_DEVICES={visible!r})' * (visible is not None)}: start at "
                 f"most {gpus} a machine (torchrun --nproc_per_node={gpus}), or use device=cpu"] * (ranks > gpus)
-    index = int(device.partition(':')[2] or 0)
-    return [f"device={device!r}: torch sees {gpus} GPU(s) here, cuda:0 to cuda:{gpus - 1}: name one of them"] * (index >= gpus)
+    absent = comm.absent_gpu(device)
+    return [f"device={device!r}: {absent}"] * bool(absent)
 
 
 def check_config(cfg, world_size):
