@@ -29,8 +29,8 @@ error, on any rank) stops every rank together with NotSaved, its .tmp removed: t
 [Note: resume anywhere] The manifest says where every param's elements live: bucket, offset, shard size,
 world size. A run with the same layout copies its own file back, bit for bit. Any other world size, stage or bucket size
 rebuilds its shards from the old ones: for each param piece it owns, it reads that range from whichever old ranks held
-it (memory-mapped, so only what is read is loaded: past verify, which reads each file once in all), decoded to fp32, and
-stores it in its own precision. No conversion step for the user. Ranks and barriers are the engine's process group's
+it (resume.Shards: memory-mapped, so only what is read is loaded: past verify, which reads each file once in all),
+decoded to fp32, and stores it in its own precision. No conversion step for the user. Ranks and barriers are the engine's process group's
 (engine.comm), not necessarily the whole job's.
 """
 import glob
@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 import kernels
-from resume import FORMAT, ChangedFile, Damaged, Unreadable, complete, find_resume, set_aside, sync_directory, verify
+from resume import (FORMAT, ChangedFile, Damaged, Shards, complete, find_resume, set_aside, sync_directory,
+                    verify)
 
 POPULATIONS = ('master', 'exp_avg', 'exp_avg_sq')
 DATA_KEYS = ('dataset', 'seed', 'batch_size', 'gradient_accumulation_steps')  # may change too: load() says so
@@ -259,56 +260,6 @@ def fault_point(where, iteration):
     attempt = int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))
     if attempt < len(faults) and faults[attempt] == f"{where}:{iteration}:{os.environ.get('RANK')}":
         os.kill(os.getpid(), signal.SIGKILL)
-
-# -----------------------------------------------------------------------------
-# read a checkpoint's shards, at any layout
-
-
-class Shards:
-    """A checkpoint's rank files, memory-mapped on first use: the fp32 values of any range of any param."""
-
-    def __init__(self, path, manifest):
-        self.path, self.manifest, self.files = path, manifest, {}
-        self.where = {name: (bucket, offset) for bucket in manifest['layout'] for name, _, offset in bucket['params']}
-
-    def file(self, rank):
-        if rank not in self.files:
-            name = os.path.join(self.path, f'rank{rank:05d}.pt')
-            try:
-                self.files[rank] = torch.load(name, map_location='cpu', mmap=True, weights_only=True)
-            except Exception as e:  # after verify read it whole: gone since (a prune), or an I/O error on this rank
-                raise Unreadable(f"{name}: cannot be read ({type(e).__name__}: {str(e)[:200]}): run again, or move this "
-                                 "ckpt-* directory aside to resume from the one before") from None
-        return self.files[rank]
-
-    def decode(self, rank, population, lo, hi):
-        """fp32 values of elements [lo, hi) of `rank`'s stored population."""
-        f = self.file(rank)
-        if population == 'master':
-            master, param = f.get('master'), f.get('param')
-            if master is None:
-                return param[lo:hi].float()
-            return kernels.join_master(param[lo:hi], master[lo:hi]) if master.dtype == torch.int16 else master[lo:hi].float()
-        stored = f[population]
-        if stored.dtype != torch.uint8:
-            return stored[lo:hi].float()
-        block = 256  # 8-bit state: shards are whole blocks, so element i's scale is absmax[i // 256]
-        b0, b1 = lo // block, -(-hi // block)
-        values = kernels.dequantize(stored[b0 * block:b1 * block], f[population + '_absmax'][b0:b1], signed=population == 'exp_avg')
-        return values[lo - b0 * block:hi - b0 * block]
-
-    def read(self, name, population, a, c):
-        """fp32 values of elements [a, c) of param `name` (flattened), from whichever ranks hold them."""
-        bucket, offset = self.where[name]
-        size, out = bucket['shard_numel'], []
-        g, end = offset + a, offset + c  # positions in the bucket's padded flat
-        while g < end:
-            rank = g // size
-            stop = min(end, (rank + 1) * size)
-            lo = bucket['shard_offset'] + g - rank * size
-            out.append(self.decode(rank, population, lo, lo + stop - g))
-            g = stop
-        return torch.cat(out) if out else torch.zeros(0, device='cpu')
 
 # -----------------------------------------------------------------------------
 # load into an engine, at the same layout (bit for bit) or any other

@@ -5,7 +5,7 @@ no process group, no GPU.
     python consolidate.py out-shakespeare-char -o model.pt [--dtype bfloat16]   # an out_dir (its newest) or a ckpt-N
     python sample.py --ckpt=model.pt            (sample.py also reads a checkpoint directory directly)
 
-Each param is read from whichever rank files hold its pieces (checkpoint.Shards: memory-mapped, decoded to fp32 from
+Each param is read from whichever rank files hold its pieces (resume.Shards: memory-mapped, decoded to fp32 from
 the form the run's precision stored), under model.py's names, padding removed, tied weights stored once:
 GPT.load_state_dict(strict=True) accepts it. The tokenizer's meta rides along, for sample.py.
 """
@@ -37,7 +37,7 @@ def full_state_dict(path, dtype=torch.float32):
     path = resolve(path)
     manifest = resume.read_manifest(path)
     resume.verify(path, manifest)  # every file's CRC-32, before any is read
-    shards = checkpoint.Shards(path, manifest)
+    shards = resume.Shards(path, manifest)
     with torch.device('meta'):
         model = GPT(GPTConfig(**manifest['model_args']))
     names = {p: n for n, p in model.named_parameters()}

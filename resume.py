@@ -1,6 +1,6 @@
 """
-Which checkpoint a run resumes from, and whether it is whole: checkpoint.py saves and loads, this finds and checks
-(also for consolidate.py and sample.py, which read one).
+Which checkpoint a run resumes from, and whether it is whole: checkpoint.py saves and loads, this finds, checks and
+reads (also for consolidate.py and sample.py, which read one).
 
     complete(out_dir), latest(out_dir)     the checkpoints with a manifest, oldest first; the newest
     read_manifest(path)                    the manifest, every file there at its full size
@@ -8,6 +8,7 @@ Which checkpoint a run resumes from, and whether it is whole: checkpoint.py save
     find_resume(cfg, model_args)           the newest whole one, the damaged ones newer than it passed over
     set_aside(damaged, comm, log)          rank 0 renames each damaged one ckpt-N.damaged
     claim(out_dir)                         rank 0 of a training run locks out_dir: one run an out_dir
+    Shards(path, manifest)                 the fp32 values of any range of any param, from the rank files that hold it
 
 Errors: Damaged (the checkpoint no longer holds what was saved: fall back, [Note: a damaged checkpoint]),
 Unreadable (an I/O error: it may pass, no fallback), any other ValueError (another format, another model, nothing
@@ -24,6 +25,8 @@ import zlib
 
 import torch
 import torch.distributed as dist
+
+import kernels
 
 FORMAT = 1  # of the manifest that checkpoint.save writes
 SHAPE_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size')  # dropout may change on resume
@@ -287,3 +290,54 @@ def sync_directory(path):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -----------------------------------------------------------------------------
+# read a checkpoint's shards, at any layout
+
+
+class Shards:
+    """A checkpoint's rank files, memory-mapped on first use: the fp32 values of any range of any param."""
+
+    def __init__(self, path, manifest):
+        self.path, self.manifest, self.files = path, manifest, {}
+        self.where = {name: (bucket, offset) for bucket in manifest['layout'] for name, _, offset in bucket['params']}
+
+    def file(self, rank):
+        if rank not in self.files:
+            name = os.path.join(self.path, f'rank{rank:05d}.pt')
+            try:
+                self.files[rank] = torch.load(name, map_location='cpu', mmap=True, weights_only=True)
+            except Exception as e:  # after verify read it whole: gone since (a prune), or an I/O error on this rank
+                raise Unreadable(f"{name}: cannot be read ({type(e).__name__}: {str(e)[:200]}): run again, or move this "
+                                 "ckpt-* directory aside to resume from the one before") from None
+        return self.files[rank]
+
+    def decode(self, rank, population, lo, hi):
+        """fp32 values of elements [lo, hi) of `rank`'s stored population."""
+        f = self.file(rank)
+        if population == 'master':
+            master, param = f.get('master'), f.get('param')
+            if master is None:
+                return param[lo:hi].float()
+            return kernels.join_master(param[lo:hi], master[lo:hi]) if master.dtype == torch.int16 else master[lo:hi].float()
+        stored = f[population]
+        if stored.dtype != torch.uint8:
+            return stored[lo:hi].float()
+        block = 256  # 8-bit state: shards are whole blocks, so element i's scale is absmax[i // 256]
+        b0, b1 = lo // block, -(-hi // block)
+        values = kernels.dequantize(stored[b0 * block:b1 * block], f[population + '_absmax'][b0:b1], signed=population == 'exp_avg')
+        return values[lo - b0 * block:hi - b0 * block]
+
+    def read(self, name, population, a, c):
+        """fp32 values of elements [a, c) of param `name` (flattened), from whichever ranks hold them."""
+        bucket, offset = self.where[name]
+        size, out = bucket['shard_numel'], []
+        g, end = offset + a, offset + c  # positions in the bucket's padded flat
+        while g < end:
+            rank = g // size
+            stop = min(end, (rank + 1) * size)
+            lo = bucket['shard_offset'] + g - rank * size
+            out.append(self.decode(rank, population, lo, lo + stop - g))
+            g = stop
+        return torch.cat(out) if out else torch.zeros(0, device='cpu')

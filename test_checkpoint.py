@@ -347,7 +347,7 @@ def test_resume_at_another_world_size_and_stage_stays_within_the_oracle_toleranc
 def saved_and_resaved(job_dir):
     """A resave job's two checkpoints as Shards, and every stored number of every param in both, decoded to fp32:
     [(param, population, saved, resaved)]."""
-    a, b = (checkpoint.Shards(p, resume.read_manifest(p))
+    a, b = (resume.Shards(p, resume.read_manifest(p))
             for p in (consolidate.resolve(os.path.join(job_dir, r)) for r in ('saved', 'resaved')))
     with torch.device('meta'):
         model = GPT(GPTConfig(**a.manifest['model_args']))
@@ -695,7 +695,7 @@ def test_a_shard_gone_after_verify_is_unreadable_and_said_by_the_rank_that_read_
     # load reads it: before, a plain ValueError, a traceback in train.py from that rank alone
     path = ckpt(str(tmp_path), 10)
     shutil.copytree(ckpt(straight_run()[0], 10), path)
-    shards = checkpoint.Shards(path, resume.read_manifest(path))
+    shards = resume.Shards(path, resume.read_manifest(path))
     os.remove(os.path.join(path, 'rank00001.pt'))
     with pytest.raises(resume.Unreadable, match=r"rank00001\.pt: cannot be read \(.*\): run again, or move this ckpt-\* "):
         shards.file(1)
@@ -1484,7 +1484,7 @@ def test_consolidate_to_bf16_rounds_each_master_as_the_training_did(monkeypatch)
     # The consolidated bf16 file holds those params, not the master rounded to nearest-even, which differs at the
     # ties (~1 element in 65,536): every master here is made a tie, 1 + 2^-8, whose params were 1 + 2^-7, not 1
     _, d = job('stage 3 on 2 -> stage 1 on 3')
-    read = checkpoint.Shards.read
-    monkeypatch.setattr(checkpoint.Shards, 'read', lambda self, *a: torch.full_like(read(self, *a), 1 + 2**-8))
+    read = resume.Shards.read
+    monkeypatch.setattr(resume.Shards, 'read', lambda self, *a: torch.full_like(read(self, *a), 1 + 2**-8))
     state = consolidate.full_state_dict(ckpt(d + '/saved', 2), torch.bfloat16)[0]
     assert all(t.dtype == torch.bfloat16 and t.eq(1 + 2**-7).all() for t in state.values())
