@@ -23,15 +23,15 @@ deleted first, so a crash while pruning cannot leave a directory that looks comp
 --max-restarts=N; train.py keeps each attempt's rendezvous apart, see comm.restart_store) resumes from the newest
 one. A run from scratch refuses an out_dir that holds checkpoints: they belong to another run, and a restart or a
 keep_last cleanup would mix the two; and no two runs train in one out_dir at once ([Note: one run an out_dir],
-resume.claim). (Several nodes need out_dir on a shared filesystem.) A save that cannot write (a disk full, a quota, an I/O
-error, on any rank) stops every rank together with NotSaved, its .tmp removed: the newest whole checkpoint stays.
+resume.claim). (Several nodes need out_dir on a shared filesystem.) A save that cannot write (a disk full, a quota,
+an I/O error, on any rank) stops every rank together with NotSaved, its .tmp removed: the newest whole checkpoint stays.
 
 [Note: resume anywhere] The manifest says where every param's elements live: bucket, offset, shard size,
 world size. A run with the same layout copies its own file back, bit for bit. Any other world size, stage or bucket size
 rebuilds its shards from the old ones: for each param piece it owns, it reads that range from whichever old ranks held
 it (resume.Shards: memory-mapped, so only what is read is loaded: past verify, which reads each file once in all),
-decoded to fp32, and stores it in its own precision. No conversion step for the user. Ranks and barriers are the engine's process group's
-(engine.comm), not necessarily the whole job's.
+decoded to fp32, and stores it in its own precision. No conversion step for the user. Ranks and barriers are the
+engine's process group's (engine.comm), not necessarily the whole job's.
 """
 import glob
 import json
