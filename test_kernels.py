@@ -1249,14 +1249,26 @@ def test_bench_modes_prints_each_modes_time_over_the_first_modes_and_over_the_ot
         ("1.00", "1.00", "2.00", "0.50")] + [("2.00", "2.00", "4.00", "0.50")] * (len(bench.PRECISION_MODES) - 1), rows
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
-                    reason="no nvcc: cannot compile the CUDA source")
-def test_cuda_library_builds_for_sm90_with_nvcc_alone(monkeypatch, tmp_path):
-    # the real build, without torch's CUDA or a GPU: nvcc, the plain source, sm_90
-    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
-    monkeypatch.setenv("NANOZERO_CACHE", str(tmp_path))
-    path = library.cache_path("cuda")
-    library.compile_library(library.CUDA_SOURCE, library._command("cuda"), path)
+NO_NVCC = pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
+                             reason="no nvcc: cannot compile the CUDA source")
+
+
+@pytest.fixture(scope="module")
+def sm90_build(tmp_path_factory):
+    """The real CUDA build for sm_90 (library.compile_library), once for the two tests below (~9 s): nvcc, the plain
+    source and the library's flags, without torch's CUDA or a GPU, ptxas telling what it allocated (-v changes no
+    byte of the binary). The library's path and nvcc's stderr."""
+    with mock.patch.dict(os.environ, {"TORCH_CUDA_ARCH_LIST": "9.0"}):
+        command = [*library._command("cuda"), "-Xptxas", "-v"]
+    path, runs, run = tmp_path_factory.mktemp("sm90") / "adamw.so", [], subprocess.run
+    with mock.patch.object(subprocess, "run", lambda *a, **k: runs.append(run(*a, **k)) or runs[-1]):
+        library.compile_library(library.CUDA_SOURCE, command, path)
+    return path, runs[0].stderr
+
+
+@NO_NVCC
+def test_cuda_library_builds_for_sm90_with_nvcc_alone(sm90_build):
+    path, _ = sm90_build
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True).stdout
     assert {"adamw_step", "adamw_args_size", "adamw_error_string"} <= set(re.findall(r" T (\w+)", symbols))
     needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
@@ -1266,17 +1278,13 @@ def test_cuda_library_builds_for_sm90_with_nvcc_alone(monkeypatch, tmp_path):
         ctypes.CDLL(cudart, mode=ctypes.RTLD_GLOBAL)
         assert library.Library(path).lib.adamw_args_size() == ctypes.sizeof(library.AdamWArgs)
 
-@pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
-                    reason="no nvcc: cannot compile the CUDA source")
-def test_the_8bit_cuda_kernel_fits_4_blocks_an_sm_without_spills(monkeypatch, tmp_path):
+
+@NO_NVCC
+def test_the_8bit_cuda_kernel_fits_4_blocks_an_sm_without_spills(sm90_build):
     # [Note: registers for occupancy] (csrc/adamw.cu): ptxas's own count for sm_90, every instance of the 8-bit kernel
-    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
-    (tmp_path / "adamw.cu").write_text(library.CUDA_SOURCE)
-    out = subprocess.run([*library._command("cuda"), "-Xptxas", "-v", "-o", "adamw.so", "adamw.cu"], cwd=tmp_path,
-                         capture_output=True, text=True)  # the real build, ptxas telling what it allocated
-    assert out.returncode == 0, out.stderr[-2000:]
+    _, stderr = sm90_build
     # ptxas: "Compiling entry function '<name>' for 'sm_90'", then "... N bytes spill stores ..." and "Used N registers"
-    entries = re.split(r"Compiling entry function '", out.stderr)[1:]
+    entries = re.split(r"Compiling entry function '", stderr)[1:]
     # on a GPU other than sm_90 the build adds its own arch (library._cuda_arch_flags): count sm_90's entries only
     block = [e for e in entries if e.startswith("_Z18adamw_block_kernel") and re.match(r"[^']*' for 'sm_90'", e)]
     assert len(block) == 28, len(block)  # 2 grad types x 7 weight policies x 2 layouts (vector, strided)

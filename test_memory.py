@@ -596,30 +596,31 @@ def rank0_peak(overrides, world_size, steps):
     return max(itertools.accumulate(n for _, n in events)), cfg, model, engine
 
 
-def allocated_peak(_, out_dir, overrides):
-    torch.save(rank0_peak(['config/shakespeare_cpu.py'] + overrides, 2, 3)[0], os.path.join(out_dir, 'peak.pt'))
+def allocated_peak(i, out_dir, stages, overrides):
+    stage = stages[i]  # the spawn's processes run one stage each, side by side (nothing shared but the cores)
+    peak = rank0_peak(['config/shakespeare_cpu.py', f'--zero_stage={stage}'] + overrides, 2, 3)[0]
+    torch.save(peak, os.path.join(out_dir, f'peak{stage}.pt'))
 
 
 def test_compiled_stage_3_peaks_no_higher_than_compiled_stage_2(tmp_path):
     """The done-when's memory half, counted rather than timed: config/shakespeare_cpu.py's GPT-2 vocabulary (the
     logits of 8 x 64 tokens are 103 MB in fp32) at rank 0 of 2 ranks, compile=True. Before the chunked loss head stage 3
     ran its head eager, with the whole batch's fp32 logits: it peaked at 443 MB to stage 2's 340 (n_layer=2, n_embd=64)."""
-    peaks = {}
-    for stage in (2, 3):  # a fresh process each: nothing compiled or allocated before the profiler starts
-        mp.spawn(allocated_peak, args=(str(tmp_path), [f'--zero_stage={stage}', '--compile=True', '--n_layer=2',
-                                                         '--n_embd=64', '--n_head=2']), nprocs=1)
-        peaks[stage] = torch.load(tmp_path / 'peak.pt')
+    # a fresh process each: nothing compiled or allocated before the profiler starts
+    mp.spawn(allocated_peak, args=(str(tmp_path), (2, 3), ['--compile=True', '--n_layer=2', '--n_embd=64', '--n_head=2']),
+             nprocs=2)
+    peaks = {stage: torch.load(tmp_path / f'peak{stage}.pt') for stage in (2, 3)}
     assert peaks[3] <= peaks[2], peaks
     # and no vocab-sized fp32 tensor per token left in either: 160 MB each under torch 2.13, 224 MB under 2.11, whose
     # inductor holds ~64 MB more (about one chunk of logits, model.LOSS_CHUNK); the plain head peaked at 340 and 443 MB
     assert peaks[2] < 0.7 * 340e6, peaks
 
 
-def nodes_feeding_the_blocks_grads(_, out_dir, overrides):
-    """Rank 0 of 2 (fake process group), built as train.py builds: per block, the autograd nodes whose output is one of
-    its params' grads, after a forward of the compiled model."""
+def nodes_feeding_the_blocks_grads(i, out_dir, stages, overrides):
+    """Rank 0 of 2 (fake process group), built as train.py builds at stages[i] (the spawn's processes side by side):
+    per block, the autograd nodes whose output is one of its params' grads, after a forward of the compiled model."""
     dist.init_process_group('fake', rank=0, world_size=2, store=FakeStore())
-    cfg = train.parse_config(['config/shakespeare_cpu.py'] + overrides)
+    cfg = train.parse_config(['config/shakespeare_cpu.py', f'--zero_stage={stages[i]}'] + overrides)
     model, engine = train.build(cfg, torch.device('cpu'), train.model_args(cfg, train.vocab_size(cfg)))
     x = torch.randint(cfg['block_size'], (2, cfg['block_size']), device='cpu')
     _, loss = engine.module(x, x)
@@ -633,20 +634,20 @@ def nodes_feeding_the_blocks_grads(_, out_dir, overrides):
                 seen.add(child)
                 todo.append(child)
     blocks = [set().union(*(feeds[id(p)] for p in b.parameters())) for b in model.transformer.h]
-    torch.save(blocks, os.path.join(out_dir, 'nodes.pt'))
+    torch.save(blocks, os.path.join(out_dir, f'nodes{stages[i]}.pt'))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize('stage', [1, 2])
-def test_compiled_stages_1_and_2_get_each_blocks_grads_from_its_own_backward(tmp_path, stage):
+def test_compiled_stages_1_and_2_get_each_blocks_grads_from_its_own_backward(tmp_path):
     """train.compile_model: stages 1-3 compile per block. The whole model compiled is one autograd node whose outputs
     are every param's grad, all at once as backward ends: stages 1-2 launched no reduce-scatter before then and held
     every grad at once (measured before, stage 2 of a 6 x 256 GPT: its 26 reduce-scatters at 143-152 ms of a 157 ms
     backward; per block: from 64 ms on)."""
-    mp.spawn(nodes_feeding_the_blocks_grads, nprocs=1, args=(
-        str(tmp_path), [f'--zero_stage={stage}', '--compile=True', '--n_layer=3', '--n_embd=64', '--n_head=2']))
-    blocks = torch.load(tmp_path / 'nodes.pt')
-    assert all(blocks) and not any(blocks[i] & blocks[j] for i in range(3) for j in range(i)), blocks
+    mp.spawn(nodes_feeding_the_blocks_grads, nprocs=2, args=(
+        str(tmp_path), (1, 2), ['--compile=True', '--n_layer=3', '--n_embd=64', '--n_head=2']))
+    for stage in (1, 2):
+        blocks = torch.load(tmp_path / f'nodes{stage}.pt')
+        assert all(blocks) and not any(blocks[i] & blocks[j] for i in range(3) for j in range(i)), (stage, blocks)
 
 
 # -----------------------------------------------------------------------------

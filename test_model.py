@@ -3,6 +3,8 @@ model.py as tests: GPT-2's shapes, tied weights, init and loss, the chunked loss
 generation, the weight-decay split, and the FLOPs count behind MFU. (Nothing of sharding: model.py knows none.)
 """
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -189,3 +191,15 @@ def test_init_is_gpt2s_normal_with_the_residual_projections_scaled_by_one_over_s
     assert abs(z.mean().item()) < 0.02 and abs(z.std().item() - 1) < 0.015, (z.mean().item(), z.std().item())
     within1, within2 = ((z.abs() < k).double().mean().item() for k in (1, 2))
     assert abs(within1 - 0.6827) < 0.01 and abs(within2 - 0.9545) < 0.005, (within1, within2)
+
+
+def test_building_the_model_on_the_meta_device_draws_nothing_and_imports_no_compiler():
+    # stages 1-3 build on the meta device: nn.Embedding's own normal_ there runs a Python decomposition that imports
+    # torch._dynamo, 1.3-1.9 s of every rank's start on this CPU (more than the rest of a small run), for values that
+    # init_param overwrites. model.Embedding skips it; compile=True still imports it, when it compiles.
+    code = ("import sys, torch, model\n"
+            "with torch.device('meta'):\n"
+            "    m = model.GPT(model.GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16))\n"
+            "print(all(p.is_meta for p in m.parameters()), 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ['True', 'False'], out.stderr[-2000:]
