@@ -147,14 +147,17 @@ class GPT(nn.Module):
             ln_f=LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # Weight tying: one Parameter serves as the input embedding and the output projection.
-        # named_parameters() lists it once (as transformer.wte.weight); autograd sums both uses into
-        # one .grad, and the ZeRO layout must therefore hold it exactly once.
-        self.transformer.wte.weight = self.lm_head.weight
+        self.tie_weights()
         self.seed = seed
         for name, p in self.named_parameters():
             if not p.is_meta:  # on the meta device there is nothing to fill: ZeRO-3 calls init_param per unit
                 self.init_param(name, p.data)
+
+    def tie_weights(self):
+        """Weight tying: one Parameter serves as the input embedding and the output projection. named_parameters()
+        lists it once (as transformer.wte.weight); autograd sums both uses into one .grad, and the ZeRO layout must
+        therefore hold it exactly once. Tie again after a move that makes new Parameters (to_empty from meta)."""
+        self.transformer.wte.weight = self.lm_head.weight
 
     def init_param(self, name, tensor, start=0):
         """Fill `tensor` with elements [start, start + tensor.numel()) of parameter `name`'s initial value, flattened

@@ -34,8 +34,10 @@ def load_model(path):
         state = info.pop('model')
     else:
         state, info = consolidate.full_state_dict(path)
-    with torch.device('cpu'):  # beside the state; main() moves it to --device (a default device would build it there)
+    with torch.device('meta'):  # no init drawn: the state overwrites every param (GPT-2 124M: ~8 s of draws on a CPU)
         model = GPT(GPTConfig(**info['model_args']))
+    model.to_empty(device='cpu')  # beside the state, whatever the default device; main() moves it to --device
+    model.tie_weights()  # to_empty made the tied Parameter two
     model.load_state_dict(state, strict=True)
     return model.eval(), info
 
