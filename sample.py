@@ -34,7 +34,7 @@ def load_model(path):
         state = info.pop('model')
     else:
         state, info = consolidate.full_state_dict(path)
-    with torch.device('meta'):  # no init drawn: the state overwrites every param (GPT-2 124M: ~8 s of draws on a CPU)
+    with torch.device('meta'):  # no init drawn: the state overwrites every param (GPT-2 124M: ~3.5 s of draws here)
         model = GPT(GPTConfig(**info['model_args']))
     model.to_empty(device='cpu')  # beside the state, whatever the default device; main() moves it to --device
     model.tie_weights()  # to_empty made the tied Parameter two
