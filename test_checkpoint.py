@@ -784,7 +784,8 @@ def test_sample_py_builds_the_model_on_the_cpu_whatever_the_default_device(tmp_p
         model, info = sample.load_model(str(tmp_path / 'model.pt'))
     assert info['iter_num'] == 10 and {p.device.type for p in model.parameters()} == {'cpu'}
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
-    # built on meta: no init drawn that the state overwrites (GPT-2 124M's: load_model 5.2-5.6 s -> 1.8-2.4 s), and still one tied weight
+    # built on meta: no init drawn that the state overwrites (GPT-2 124M's load_model: 5.2-5.6 s -> 1.8-2.4 s here),
+    # and still one tied weight
     with mock.patch.object(GPT, 'init_param', side_effect=AssertionError('an init drawn, then overwritten')):
         model, _ = sample.load_model(str(tmp_path / 'model.pt'))
     assert model.lm_head.weight is model.transformer.wte.weight
