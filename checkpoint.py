@@ -208,8 +208,9 @@ def write(obj, path):
         summed = Crc32Writer(f)
         try:
             torch.save(obj, summed)
-        except RuntimeError as e:  # torch's zip writer, closing after our write's OSError (a disk full), raises its own
-            raise (e.__context__ if isinstance(e.__context__, OSError) else e) from None  # not "unexpected pos"
+        except RuntimeError as e:  # torch's zip writer, closing after our write's OSError (a disk full) or a Ctrl-C
+            # in it, raises its own "unexpected pos": the OSError (NotSaved) or the KeyboardInterrupt (one line) instead
+            raise (e.__context__ if isinstance(e.__context__, (OSError, KeyboardInterrupt)) else e) from None
         f.flush()
         os.fsync(f.fileno())
     return summed.crc

@@ -854,6 +854,20 @@ def test_consolidate_to_a_directory_or_where_it_cannot_write_stops_in_one_line_b
     assert sorted(os.listdir(tmp_path)) == ['dir'] and os.listdir(tmp_path / 'dir') == []
 
 
+def test_a_ctrl_c_inside_a_checkpoints_write_is_a_keyboardinterrupt_not_torchs_unexpected_pos(tmp_path):
+    # torch's zip writer, its write callback interrupted, raised RuntimeError("... unexpected pos 46 vs 0") from it:
+    # train.py printed that traceback, where a Ctrl-C anywhere else is one line (checkpoint.write unwraps it)
+    calls, write = [], checkpoint.Crc32Writer.write
+
+    def interrupted(self, data):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return write(self, data)
+    with mock.patch.object(checkpoint.Crc32Writer, 'write', interrupted), pytest.raises(KeyboardInterrupt):
+        checkpoint.write({'a': torch.zeros(1000, device='cpu')}, str(tmp_path / 'f.pt'))
+
+
 def test_consolidate_stops_in_one_line_and_leaves_no_tmp_file_when_the_write_fails(tmp_path):
     # a disk that fills during the write (a file size limit, RLIMIT_FSIZE, stands in): before, torch's "[enforce fail
     # at inline_container.cc] unexpected pos" traceback; no half-written model.pt.tmp stays behind, then or now

@@ -107,6 +107,23 @@ def test_an_infinite_rate_and_a_decay_that_ends_before_warmup_are_refused(tmp_pa
     train.check_config({**cfg, 'lr_decay_iters': 10}, world_size=1)
 
 
+def test_a_ctrl_c_whose_keyboardinterrupt_was_swallowed_is_still_recorded_for_the_loop():
+    # [Note: a Ctrl-C is never lost]: the KeyboardInterrupt dropped on its way (here: caught), the record stays, and
+    # train.main's loop raises it at the next iteration
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        seen = train.catch_ctrl_c()
+        assert not seen
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs at the next bytecode
+        except KeyboardInterrupt:
+            pass  # what C code calling Python may do with it
+        assert seen == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_ctrl_c_ends_a_run_in_one_line_and_its_checkpoints_resume(tmp_path):
     # an adversarial sweep: Ctrl-C printed a 136-line KeyboardInterrupt traceback (249 lines under torchrun). The run
     # saves (and prunes) every 2 iterations of a few ms: on this machine's disk (ext4, discard) an fsync among them

@@ -17,7 +17,9 @@ import dataclasses
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 
@@ -319,6 +321,21 @@ def config_error(e, rank):  # sys.exit's: one line from rank 0 (every rank meets
     return f"{f'rank {rank}: ' * (rank > 0)}config error: {e}" if says else 1
 
 
+def catch_ctrl_c():
+    """[Note: a Ctrl-C is never lost] SIGINT's KeyboardInterrupt is raised wherever Python runs next, and C code that
+    calls Python may drop it there (a suite run saw a run train on for a minute after SIGINT, stderr empty). So the
+    handler also records it, in the list returned, and the loop raises it at the next iteration."""
+    seen = []
+
+    def on_sigint(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():  # (a handler can only be set there)
+        signal.signal(signal.SIGINT, on_sigint)
+    return seen
+
+
 def main(cfg):
     device, rank, world_size = comm.start_process_group(cfg['device'], cfg['backend'])
     master_process = rank == 0
@@ -369,7 +386,10 @@ def main(cfg):
     profiler = comm.start_profiler(cfg['out_dir'], rank, device) if cfg['profile'] else None
     peak = peak_flops(device)
     t0, skipped = time.time(), 0  # skipped: steps in a row with a non-finite grad norm
+    interrupted = catch_ctrl_c()
     while True:
+        if interrupted:  # a Ctrl-C whose KeyboardInterrupt something swallowed: [Note: a Ctrl-C is never lost]
+            raise KeyboardInterrupt
         if iter_num % cfg['eval_interval'] == 0 or iter_num >= cfg['max_iters'] or cfg['eval_only']:
             losses = evaluate(engine, eval_sets, autocast, rank, world_size)
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
