@@ -228,6 +228,25 @@ def absent_gpu(device_name):
             "torch sees no GPU here: use cpu"
 
 
+class MachineError(ValueError):
+    """A mistake of one machine's (its GPUs), which other machines of the job may not share: each machine's first rank
+    says it (train.config_error)."""
+
+
+def gpu_problems(device, gpus):
+    """Under a launcher each rank takes the GPU of its LOCAL_RANK (start_process_group), so a machine needs one GPU
+    a rank it runs; a run alone takes the one it names."""
+    if 'RANK' in os.environ:
+        local = os.environ.get('LOCAL_WORLD_SIZE')  # torchrun's, per machine; else at least LOCAL_RANK + 1
+        ranks = max(int(local or 1), int(os.environ.get('LOCAL_RANK', 0)) + 1)
+        visible = os.environ.get('CUDA_VISIBLE_DEVICES')
+        return [f"this machine runs {'at least ' * (not local)}{ranks} ranks, one GPU each (cuda:LOCAL_RANK), and torch "
+                f"sees {gpus} GPU(s) here{f' (CUDA_VISIBLE_DEVICES={visible!r})' * (visible is not None)}: start at "
+                f"most {gpus} a machine (torchrun --nproc_per_node={gpus}), or use device=cpu"] * (ranks > gpus)
+    absent = absent_gpu(device)
+    return [f"device={device!r}: {absent}"] * bool(absent)
+
+
 def start_process_group(device_name, backend='', quiet_for=30.0):
     """Under torchrun: one process per rank, its device, its backend ('' = nccl on GPUs, gloo on CPUs). Without
     torchrun: world size 1 (a 1-rank process group, so every stage runs the same code). Returns (device, rank,

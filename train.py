@@ -19,7 +19,6 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 from contextlib import nullcontext
 
@@ -234,25 +233,6 @@ def config_problems(cfg, world_size):
     return problems
 
 
-class MachineError(ValueError):
-    """A mistake of one machine's (its GPUs), which other machines of the job may not share: each machine's first rank
-    says it (config_error)."""
-
-
-def gpu_problems(device, gpus):
-    """Under a launcher each rank takes the GPU of its LOCAL_RANK (comm.start_process_group), so a machine needs one GPU
-    a rank it runs; a run alone takes the one it names."""
-    if 'RANK' in os.environ:
-        local = os.environ.get('LOCAL_WORLD_SIZE')  # torchrun's, per machine; else at least LOCAL_RANK + 1
-        ranks = max(int(local or 1), int(os.environ.get('LOCAL_RANK', 0)) + 1)
-        visible = os.environ.get('CUDA_VISIBLE_DEVICES')
-        return [f"this machine runs {'at least ' * (not local)}{ranks} ranks, one GPU each (cuda:LOCAL_RANK), and torch "
-                f"sees {gpus} GPU(s) here{f' (CUDA_VISIBLE_DEVICES={visible!r})' * (visible is not None)}: start at "
-                f"most {gpus} a machine (torchrun --nproc_per_node={gpus}), or use device=cpu"] * (ranks > gpus)
-    absent = comm.absent_gpu(device)
-    return [f"device={device!r}: {absent}"] * bool(absent)
-
-
 def check_config(cfg, world_size):
     """Every mistake that can be found before the process group starts, as one ValueError with the fix."""
     problems, device, gpu = config_problems(cfg, world_size), cfg['device'].split(':')[0], torch.cuda.is_available()
@@ -262,12 +242,12 @@ def check_config(cfg, world_size):
         problems.append(f"device={cfg['device']!r}{', backend=nccl' * (cfg['backend'] == 'nccl')}: use 'cpu' (gloo), "
                         f"or 'cuda' (nccl) where torch sees a GPU (torch.cuda.is_available() is {gpu} here)")
     elif device == 'cuda':
-        machine = gpu_problems(cfg['device'], torch.cuda.device_count())
+        machine = comm.gpu_problems(cfg['device'], torch.cuda.device_count())
     if cfg['optimizer_impl'] in ('cpu', 'cuda') and cfg['optimizer_impl'] != device:
         problems.append(f"optimizer_impl={cfg['optimizer_impl']!r} steps shards on the {cfg['optimizer_impl'].upper()}, and "
                         f"device={cfg['device']!r}: use 'auto' (the device's kernel)")
     if problems or machine:
-        raise ValueError(problems[0]) if problems else MachineError(machine[0])
+        raise ValueError(problems[0]) if problems else comm.MachineError(machine[0])
     found = all(os.path.exists(os.path.join(data_dir(cfg), f'{s}.bin')) for s in ('train', 'val'))
     if not found and cfg['dataset'] not in PREPARED_ON_FIRST_USE:
         raise ValueError(f"dataset={cfg['dataset']!r}: {os.path.relpath(data_dir(cfg))}/train.bin and val.bin not found; prepare them "
@@ -317,7 +297,7 @@ def compile_model(model, engine):
 def config_error(e, rank):  # sys.exit's: one line from rank 0 (every rank meets it), from a rank a file was Unreadable
     # to, or from each machine's first rank that a MachineError stops
     first = os.environ.get('LOCAL_RANK', '0') == '0' or 'LOCAL_WORLD_SIZE' not in os.environ
-    says = rank == 0 or isinstance(e, resume.Unreadable) or (isinstance(e, MachineError) and first)
+    says = rank == 0 or isinstance(e, resume.Unreadable) or (isinstance(e, comm.MachineError) and first)
     return f"{f'rank {rank}: ' * (rank > 0)}config error: {e}" if says else 1
 
 
@@ -331,8 +311,7 @@ def catch_ctrl_c():
         seen.append(signum)
         raise KeyboardInterrupt
 
-    if threading.current_thread() is threading.main_thread():  # (a handler can only be set there)
-        signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGINT, on_sigint)
     return seen
 
 
