@@ -124,6 +124,46 @@ def test_a_ctrl_c_whose_keyboardinterrupt_was_swallowed_is_still_recorded_for_th
         signal.signal(signal.SIGINT, before)
 
 
+SWALLOWING_RUN = """
+import runpy, signal, sys
+real = signal.signal
+def swallowing(signum, handler):  # every SIGINT handler installed gets its KeyboardInterrupt dropped, as C code may
+    if signum == signal.SIGINT and callable(handler):
+        inner = handler
+        def handler(s, f):
+            try:
+                inner(s, f)
+            except KeyboardInterrupt:
+                pass
+    return real(signum, handler)
+signal.signal = swallowing
+sys.argv = sys.argv[1:]
+runpy.run_path('train.py', run_name='__main__')
+"""
+
+
+def test_a_ctrl_c_whose_keyboardinterrupt_is_always_swallowed_still_ends_the_run_at_the_next_iteration(tmp_path):
+    # [Note: a Ctrl-C is never lost], end to end: train.py's SIGINT handler wrapped so that its KeyboardInterrupt never
+    # leaves it; the run still ends, in one line, with 130. Without the loop's check it trains on to the watchdog
+    small = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2', '--eval_iters=1',
+             '--eval_interval=1000', '--log_interval=1', f'--out_dir={tmp_path}/out']
+    run = subprocess.Popen([sys.executable, '-c', SWALLOWING_RUN, 'train.py', 'config/shakespeare_char.py', *ON_CPU,
+                            *small, '--max_iters=100000'], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(120, run.kill)
+    watchdog.start()
+    try:
+        for line in run.stdout:
+            if line.startswith('iter 3:'):
+                break
+        run.send_signal(signal.SIGINT)
+        stdout, stderr = run.communicate(timeout=60)
+    finally:
+        watchdog.cancel()
+        run.kill()
+    assert run.returncode == 130 and stderr == "interrupted: no checkpoint saved yet\n", (run.returncode, stderr[-3000:])
+    assert 'iter 100000' not in stdout
+
+
 def test_ctrl_c_ends_a_run_in_one_line_and_its_checkpoints_resume(tmp_path):
     # an adversarial sweep: Ctrl-C printed a 136-line KeyboardInterrupt traceback (249 lines under torchrun). The run
     # saves (and prunes) every 2 iterations of a few ms: on this machine's disk (ext4, discard) an fsync among them
