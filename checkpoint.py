@@ -23,7 +23,7 @@ deleted first, so a crash while pruning cannot leave a directory that looks comp
 --max-restarts=N; train.py keeps each attempt's rendezvous apart, see comm.restart_store) resumes from the newest
 one. A run from scratch refuses an out_dir that holds checkpoints: they belong to another run, and a restart or a
 keep_last cleanup would mix the two; and no two runs train in one out_dir at once ([Note: one run an out_dir],
-resume.claim). (Several nodes need out_dir on a shared filesystem.) A save that cannot write (a disk full, a quota,
+resume.claim). (Several nodes need out_dir on a shared filesystem: resume.check_shared, at the start.) A save that cannot write (a disk full, a quota,
 an I/O error, on any rank) stops every rank together with NotSaved, its .tmp removed: the newest whole checkpoint stays.
 
 [Note: resume anywhere] The manifest says where every param's elements live: bucket, offset, shard size,

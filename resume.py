@@ -8,6 +8,7 @@ reads (also for consolidate.py and sample.py, which read one).
     find_resume(cfg, model_args)           the newest whole one, the damaged ones newer than it passed over
     set_aside(damaged, comm, log)          rank 0 renames each damaged one ckpt-N.damaged
     claim(out_dir)                         rank 0 of a training run locks out_dir: one run an out_dir
+    check_shared(out_dir, ...)             every rank of a training run sees out_dir: one out_dir a run
     Shards(path, manifest)                 the fp32 values of any range of any param, from the rank files that hold it
 
 Errors: Damaged (the checkpoint no longer holds what was saved: fall back, [Note: a damaged checkpoint]),
@@ -21,6 +22,7 @@ import json
 import os
 import socket
 import sys
+import time
 import zlib
 
 import torch
@@ -177,6 +179,43 @@ def claim(out_dir):
 # 'none' is not a static rendezvous (c10d without --rdzv-id) and a restart moves rank 0 to another node, that restart
 # refuses as a new run would, and says so: give torchrun --rdzv-id=<the job's id>. Where hosts and agents' pids repeat
 # across jobs (containers, the agent as pid 1), two jobs look alike: a restart resumes any checkpoint, as before.
+
+
+def check_shared(out_dir, rank, world_size, device, wait=5.0):
+    """[Note: one out_dir for every rank] Every rank writes its shard of a checkpoint into out_dir, and rank 0 the
+    manifest beside them once all are there; so out_dir must be one directory that every rank sees. Where a node has
+    its own disk at that path (or a node's config names another out_dir), the run used to train until its first save,
+    and fail there (a resume: the ranks would find different checkpoints and pair unlike collectives). At the start
+    instead: rank 0 makes a file of a random name there, and every rank looks for it (for up to `wait` seconds: a
+    network filesystem may show a new file late). ValueError on every rank, naming those that do not see it."""
+    if world_size == 1:
+        return
+    token, why = torch.zeros(1, dtype=torch.int64, device=device), 'on rank 0'
+    if rank == 0:
+        token.fill_(int.from_bytes(os.urandom(7), 'little') | 1)
+        try:
+            open(os.path.join(out_dir, f'.shared-{token.item()}'), 'w').close()
+        except OSError as e:  # (a disk full since claim's checks): 0 tells every rank
+            token.fill_(0)
+            why = e.strerror
+    dist.broadcast(token, src=0)  # after rank 0's file is made: rank 0 sends only then
+    if token.item() == 0:
+        raise ValueError(f"out_dir={out_dir!r} is not a directory this run can write to ({why})")
+    path = os.path.join(out_dir, f'.shared-{token.item()}')
+    deadline = time.monotonic() + wait
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    blind = torch.zeros(world_size, dtype=torch.int32, device=device)
+    blind[rank] = not os.path.exists(path)
+    dist.all_reduce(blind)
+    if rank == 0:
+        os.remove(path)
+    missing = blind.nonzero().flatten().tolist()
+    if missing:
+        named = ', '.join(map(str, missing[:8])) + (f' and {len(missing) - 8} more' if len(missing) > 8 else '')
+        raise ValueError(f"out_dir={out_dir!r} is not one directory for every rank: rank(s) {named} do not see the file "
+                         f"rank 0 made there. Every rank writes its shard of a checkpoint into out_dir: put it on a "
+                         f"filesystem every node shares (the same path on each), not a node's own disk")
 
 
 def job_id():

@@ -1201,6 +1201,38 @@ def test_a_file_one_rank_cannot_look_at_is_said_by_that_rank(tmp_path):
     assert sorted(os.listdir(out_dir))[-1] == 'ckpt-00000010'  # nothing set aside
 
 
+def _check_shared_on(rank, init_file, out_dirs, said, full=False):
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
+    if full and rank == 0:  # out_dir's disk full since claim's checks
+        resume.open = lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, 'No space left on device'))
+    try:
+        resume.check_shared(out_dirs[rank], rank, 2, CPU, wait=0.5)
+        dist.barrier()  # (rank 0 has removed its file)
+        result = sorted(os.listdir(out_dirs[rank]))
+    except ValueError as e:
+        result = str(e)
+    json.dump(result, open(f'{said}{rank}', 'w'))
+    comm.end_process_group(CPU)
+
+
+def test_a_rank_that_does_not_see_out_dir_stops_every_rank_at_the_start(tmp_path):
+    # [Note: one out_dir for every rank]: node 1 with a disk of its own at out_dir's path (here: another directory).
+    # Before, such a run trained until its first save and failed there: "rank 1 could not write it ([Errno 2] ...)"
+    one, other = str(tmp_path / 'one'), str(tmp_path / 'other')
+    os.makedirs(one), os.makedirs(other)
+    mp.spawn(_check_shared_on, args=(str(tmp_path / 'init'), [one, other], str(tmp_path / 'said')), nprocs=2)
+    said = [json.load(open(tmp_path / f'said{r}')) for r in (0, 1)]
+    assert said == [f"out_dir={one if r == 0 else other!r} is not one directory for every rank: rank(s) 1 do not see "
+                    "the file rank 0 made there. Every rank writes its shard of a checkpoint into out_dir: put it on a "
+                    "filesystem every node shares (the same path on each), not a node's own disk" for r in (0, 1)]
+    assert os.listdir(one) == [] and os.listdir(other) == []  # rank 0's file removed
+    mp.spawn(_check_shared_on, args=(str(tmp_path / 'init2'), [one, one], str(tmp_path / 'said')), nprocs=2)
+    assert [json.load(open(tmp_path / f'said{r}')) for r in (0, 1)] == [[], []]  # both see it, and nothing stays
+    mp.spawn(_check_shared_on, args=(str(tmp_path / 'init3'), [one, one], str(tmp_path / 'said'), True), nprocs=2)
+    assert [json.load(open(tmp_path / f'said{r}')) for r in (0, 1)] == [  # every rank stops; rank 0 knows why
+        f"out_dir={one!r} is not a directory this run can write to ({why})" for why in ('No space left on device', 'on rank 0')]
+
+
 def _save_on(rank, init_file, out_dir, said):
     # rank 1 sees a ckpt-5 manifest that is not there (a stale view of a shared filesystem, where ckpt-5 was set aside
     # since): rank 0's view decides for both, and both save. Before, rank 1 returned alone and left rank 0 in a barrier

@@ -917,6 +917,31 @@ def test_bench_train_refuses_bad_input_before_any_job_in_one_line(monkeypatch):
         bench_train.bench_train(args)
 
 
+def test_two_nodes_whose_out_dirs_differ_stop_at_the_start_in_one_line(tmp_path):
+    # [Note: one out_dir for every rank], through train.py: each node's own out_dir (as a disk of its own at one path).
+    # Before, both nodes trained to the first save (iteration 2 here, after hours in a real run) and failed there
+    args = ['train.py', 'config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32',
+            '--block_size=16', '--batch_size=2', '--eval_iters=1', '--max_iters=4', '--eval_interval=2',
+            '--gradient_accumulation_steps=2']
+    port = comm.free_port()
+    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1', '--nnodes=2',
+                               f'--node_rank={n}', '--master_addr=127.0.0.1', f'--master_port={port}', *args,
+                               f'--out_dir={tmp_path}/node{n}'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+             for n in (0, 1)]
+    try:
+        outs = [node.communicate(timeout=120) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, 9)
+    assert [node.returncode for node in nodes] == [1, 1] and outs[0][0] == outs[1][0] == ''  # no step, no eval
+    assert outs[0][1].startswith(f"config error: out_dir='{tmp_path}/node0' is not one directory for every rank: "
+                                 "rank(s) 1 do not see the file rank 0 made there."), outs[0][1][-3000:]
+    assert 'config error' not in outs[1][1]  # rank 0 says it, once
+    assert os.listdir(tmp_path / 'node0') == ['.lock']  # no checkpoint, no job mark, rank 0's file removed
+
+
 def test_two_nodes_of_one_rank_train_and_restart_as_one_node_of_two(tmp_path):
     """Plain torchrun across nodes (README, "Running on GPUs, and multi-node"), both nodes on this machine: node 1's rank
     is RANK 1 with LOCAL_RANK 0, a static rendezvous at node 0's address, out_dir shared as several nodes need it. Node

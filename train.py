@@ -322,6 +322,8 @@ def main(cfg):
     prepare_data(cfg, rank)
     args = model_args(cfg, vocab_size(cfg))
     try:  # (in __main__ too, unless the data was prepared just now: its vocab was unknown there)
+        if not cfg['eval_only']:  # before any rank looks for a checkpoint there
+            resume.check_shared(cfg['out_dir'], rank, world_size, device)
         found = resume.find_resume(cfg, args)  # None, or (path, manifest, damaged): errors before any training step
     except ValueError as e:
         sys.exit(config_error(e, rank))
