@@ -185,7 +185,7 @@ def check_shared(out_dir, rank, world_size, device, wait=5.0):
     """[Note: one out_dir for every rank] Every rank writes its shard of a checkpoint into out_dir, and rank 0 the
     manifest beside them once all are there; so out_dir must be one directory that every rank sees. Where a node has
     its own disk at that path (or a node's config names another out_dir), the run used to train until its first save,
-    and fail there (a resume: the ranks would find different checkpoints and pair unlike collectives). At the start
+    and fail there (resuming, the ranks could each find another checkpoint, or none). At the start
     instead: rank 0 makes a file of a random name there, and every rank looks for it (for up to `wait` seconds: a
     network filesystem may show a new file late). ValueError on every rank, naming those that do not see it."""
     if world_size == 1:
