@@ -79,3 +79,29 @@ def typed(key, value, where, defaults, also=None):
         raise ValueError(f"{where}: {key} takes {name}{''.join(f' or {v!r}' for v in also)} "
                          f"(default {defaults[key]!r})")
     return value
+
+
+def differences(configs, per_node=()):
+    """One line naming each key whose value differs between the ranks' configs (configs[r] is rank r's), or ''. A
+    launcher starts each node with its own command line: one node's override of max_iters, say, had its ranks step on
+    after the others ended, pairing collectives that never complete. per_node: keys that may differ (a path)."""
+    said = []
+    for key in configs[0]:
+        ranks = {}
+        for r, config in enumerate(configs):
+            ranks.setdefault(repr(config.get(key)), []).append(r)
+        if len(ranks) > 1 and key not in per_node:
+            said.append(f"{key}: " + ', '.join(f"{value} on rank(s) {spans(rs)}" for value, rs in ranks.items()))
+    return (f"the ranks' configs differ ({'; '.join(said)}): start every node with the same config files and "
+            "--key=value overrides") if said else ''
+
+
+def spans(numbers):
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    runs = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ', '.join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)

@@ -28,6 +28,7 @@ import torch
 import bench_train
 import bench_zero
 import comm
+import configurator
 import train
 from test_zero import ON_CPU
 
@@ -915,6 +916,40 @@ def test_bench_train_refuses_bad_input_before_any_job_in_one_line(monkeypatch):
                               nproc=2)
     with pytest.raises(SystemExit, match=re.escape('every job needs a timed iteration (warm < iters)')):
         bench_train.bench_train(args)
+
+
+def test_the_ranks_configs_are_compared_key_by_key_but_per_node_keys():
+    configs = [dict(train.DEFAULTS, max_iters=4, out_dir='a') for _ in range(8)]
+    assert configurator.differences(configs, per_node=('out_dir',)) == ''
+    for r in (3, 4, 5, 7):
+        configs[r] = dict(configs[r], max_iters=8, out_dir='b', dtype='bfloat16')
+    assert configurator.differences(configs, per_node=('out_dir',)) == (
+        "the ranks' configs differ (max_iters: 4 on rank(s) 0-2, 6, 8 on rank(s) 3-5, 7; dtype: 'float32' on rank(s) 0-2, "
+        "6, 'bfloat16' on rank(s) 3-5, 7): start every node with the same config files and --key=value overrides")
+
+
+def test_two_nodes_started_with_different_overrides_stop_at_the_start_in_one_line(tmp_path):
+    # each node's launcher gets a command line of its own. Before, node 0's ranks ended at max_iters=4 while node 1's
+    # stepped on: gloo aborted rank 0 (EnforceNotMet) and rank 1 died on "Connection reset by peer", two tracebacks;
+    # under NCCL across machines, rank 1 would have waited in its collective
+    args = ['train.py', 'config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32',
+            '--block_size=16', '--batch_size=2', '--eval_iters=1', '--eval_interval=100', '--gradient_accumulation_steps=2',
+            f'--out_dir={tmp_path}/out']
+    port = comm.free_port()
+    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1', '--nnodes=2',
+                               f'--node_rank={n}', '--master_addr=127.0.0.1', f'--master_port={port}', *args,
+                               f'--max_iters={4 * (n + 1)}'], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True, env={**os.environ, 'OMP_NUM_THREADS': '1'}) for n in (0, 1)]
+    try:
+        outs = [node.communicate(timeout=120) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, 9)
+    assert [node.returncode for node in nodes] == [1, 1] and outs[0][0] == outs[1][0] == ''  # no step, no eval
+    assert outs[0][1].startswith("config error: the ranks' configs differ (max_iters: 4 on rank(s) 0, 8 on rank(s) 1): "
+                                 "start every node with the same config files and --key=value overrides\n"), outs[0][1][-3000:]
+    assert 'config error' not in outs[1][1] and '[rank1]' not in outs[1][1]  # rank 0 says it; no worker's traceback
 
 
 def test_two_nodes_whose_out_dirs_differ_stop_at_the_start_in_one_line(tmp_path):
