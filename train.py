@@ -208,10 +208,12 @@ def evaluate(engine, eval_sets, autocast, rank, world_size):
 
 
 def prepare_data(cfg, rank):
-    """Shakespeare (GPT-2 tokens or characters) is prepared on first use, by rank 0; the others wait."""
-    if rank == 0 and cfg['dataset'] in PREPARED_ON_FIRST_USE and not os.path.exists(os.path.join(data_dir(cfg), 'val.bin')):
-        __import__(f"data.{cfg['dataset']}.prepare", fromlist=['prepare']).prepare(data_dir(cfg))
-    dist.barrier()
+    """Shakespeare (GPT-2 tokens or characters) is prepared on first use: by rank 0, then by each other machine's first
+    rank where it is still not there (each machine's own data/, not one shared by all); the others wait."""
+    for turn in (rank == 0, rank > 0 and os.environ.get('LOCAL_RANK', '0') == '0'):
+        if turn and cfg['dataset'] in PREPARED_ON_FIRST_USE and not os.path.exists(os.path.join(data_dir(cfg), 'meta.json')):
+            __import__(f"data.{cfg['dataset']}.prepare", fromlist=['prepare']).prepare(data_dir(cfg))  # (meta.json last)
+        dist.barrier()
 
 
 def config_problems(cfg, world_size):
@@ -250,9 +252,9 @@ def check_config(cfg, world_size):
         raise ValueError(problems[0]) if problems else comm.MachineError(machine[0])
     found = all(os.path.exists(os.path.join(data_dir(cfg), f'{s}.bin')) for s in ('train', 'val'))
     if not found and cfg['dataset'] not in PREPARED_ON_FIRST_USE:
-        raise ValueError(f"dataset={cfg['dataset']!r}: {os.path.relpath(data_dir(cfg))}/train.bin and val.bin not found; prepare them "
-                         f"with python data/shakespeare/prepare.py --input=YOUR.txt --out_dir=data/{cfg['dataset']} "
-                         f"(GPT-2 tokens) or data/shakespeare_char/prepare.py (characters)")
+        raise comm.MachineError(f"dataset={cfg['dataset']!r}: {os.path.relpath(data_dir(cfg))}/train.bin and val.bin not found; "
+                                f"prepare them with python data/shakespeare/prepare.py --input=YOUR.txt --out_dir=data/"
+                                f"{cfg['dataset']} (GPT-2 tokens) or data/shakespeare_char/prepare.py (characters)")
     tokens = found and min(os.path.getsize(os.path.join(data_dir(cfg), f'{s}.bin')) // 2 for s in ('train', 'val'))
     if found and tokens <= cfg['block_size']:  # a window and its next token must fit (uint16 tokens)
         raise ValueError(f"block_size={cfg['block_size']}, but a split of {cfg['dataset']} has {tokens} tokens: use less")
