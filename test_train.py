@@ -322,6 +322,18 @@ def test_a_gpu_the_machine_lacks_is_one_line_from_each_machines_first_rank(monke
     assert train.config_error(e.value, rank) == (f"{f'rank {rank}: ' * (rank > 0)}config error: {e.value}" if says else 1)
 
 
+def test_a_dataset_a_machine_lacks_is_one_line_from_that_machines_first_rank(monkeypatch):
+    # each machine has its own data/ (a checkout of its own): node 1's first rank (RANK 4 of 8) says what its machine
+    # lacks. Before, only rank 0 spoke, and node 0 had the data: node 1's ranks exited 1 without a word
+    for key, value in (('RANK', '4'), ('LOCAL_RANK', '0'), ('LOCAL_WORLD_SIZE', '4')):
+        monkeypatch.setenv(key, value)
+    with pytest.raises(comm.MachineError, match="dataset='nope': data/nope/train.bin and val.bin not found") as e:
+        train.check_config(train.parse_config(['--dataset=nope', '--device=cpu']), world_size=8)
+    assert train.config_error(e.value, 4) == f"rank 4: config error: {e.value}"
+    monkeypatch.setenv('LOCAL_RANK', '1')
+    assert train.config_error(e.value, 5) == 1  # the machine's other ranks: their first says it
+
+
 def test_stochastic_rounding_takes_a_32_bit_seed_named_before_training():
     # before, a larger seed trained until the first step, where the kernel refused it on every rank
     cfg = train.parse_config(['--device=cpu', '--dtype=bfloat16', '--zero_stage=2', '--master_weights=none',
