@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import traceback
+import zlib
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -81,6 +82,17 @@ def typed(key, value, where, defaults, also=None):
     return value
 
 
+def code(root=ROOT):
+    """The CRC-32 of the sources this process runs from root: its modules there (train.py's imports) and csrc/'s
+    kernel. Machines with checkouts of their own may hold different commits, which pair unlike collectives."""
+    files = {m.__file__ for m in list(sys.modules.values()) if os.path.dirname(getattr(m, '__file__', None) or '') == root}
+    crc = 0
+    for path in sorted(files | set(glob.glob(os.path.join(root, 'csrc', '*')))):
+        with open(path, 'rb') as f:
+            crc = zlib.crc32(f.read(), crc)
+    return f"{crc:08x}"
+
+
 def differences(configs, per_node=()):
     """One line naming each key whose value differs between the ranks' configs (configs[r] is rank r's), or ''. A
     launcher starts each node with its own command line: one node's override of max_iters, say, had its ranks step on
@@ -92,8 +104,8 @@ def differences(configs, per_node=()):
             ranks.setdefault(repr(config.get(key)), []).append(r)
         if len(ranks) > 1 and key not in per_node:
             said.append(f"{key}: " + ', '.join(f"{value} on rank(s) {spans(rs)}" for value, rs in ranks.items()))
-    return (f"the ranks' configs differ ({'; '.join(said)}): start every node with the same config files and "
-            "--key=value overrides") if said else ''
+    return (f"the ranks' configs differ ({'; '.join(said)}): start every machine with the same code, torch, config "
+            "files and --key=value overrides") if said else ''
 
 
 def spans(numbers):

@@ -937,7 +937,27 @@ def test_the_ranks_configs_are_compared_key_by_key_but_per_node_keys():
         configs[r] = dict(configs[r], max_iters=8, out_dir='b', dtype='bfloat16')
     assert configurator.differences(configs, per_node=('out_dir',)) == (
         "the ranks' configs differ (max_iters: 4 on rank(s) 0-2, 6, 8 on rank(s) 3-5, 7; dtype: 'float32' on rank(s) 0-2, "
-        "6, 'bfloat16' on rank(s) 3-5, 7): start every node with the same config files and --key=value overrides")
+        "6, 'bfloat16' on rank(s) 3-5, 7): start every machine with the same code, torch, config files and --key=value "
+        "overrides")
+
+
+def test_the_code_every_rank_compares_is_the_source_it_runs(tmp_path, monkeypatch):
+    # machines with checkouts of their own may hold different commits: the ranks compare configurator.code() with
+    # their configs. It covers the modules loaded from the checkout and the kernel's sources, nothing else there
+    (tmp_path / 'csrc').mkdir()
+    for name, text in (('mod.py', 'x = 1\n'), ('unused.py', 'y = 1\n'), ('csrc/k.cu', '// k\n')):
+        (tmp_path / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, 'mod', raising=False)
+    before = configurator.code(str(tmp_path))
+    __import__('mod')
+    loaded = configurator.code(str(tmp_path))
+    (tmp_path / 'unused.py').write_text('y = 2\n')
+    assert configurator.code(str(tmp_path)) == loaded != before
+    for name, text in (('mod.py', 'x = 2\n'), ('csrc/k.cu', '// k2\n')):
+        (tmp_path / name).write_text(text)
+        assert configurator.code(str(tmp_path)) != loaded
+    monkeypatch.delitem(sys.modules, 'mod')
 
 
 def test_two_nodes_started_with_different_overrides_stop_at_the_start_in_one_line(tmp_path):
@@ -960,7 +980,8 @@ def test_two_nodes_started_with_different_overrides_stop_at_the_start_in_one_lin
                 os.killpg(node.pid, 9)
     assert [node.returncode for node in nodes] == [1, 1] and outs[0][0] == outs[1][0] == ''  # no step, no eval
     assert outs[0][1].startswith("config error: the ranks' configs differ (max_iters: 4 on rank(s) 0, 8 on rank(s) 1): "
-                                 "start every node with the same config files and --key=value overrides\n"), outs[0][1][-3000:]
+                                 "start every machine with the same code, torch, config files and --key=value "
+                                 "overrides\n"), outs[0][1][-3000:]
     assert 'config error' not in outs[1][1] and '[rank1]' not in outs[1][1]  # rank 0 says it; no worker's traceback
 
 

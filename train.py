@@ -321,7 +321,7 @@ def main(cfg):
     device, rank, world_size = comm.start_process_group(cfg['device'], cfg['backend'])
     if world_size > 1:  # one config for the whole job: each node's launcher got a command line of its own
         every = [None] * world_size
-        dist.all_gather_object(every, dict(cfg, device=device.type))  # (under torchrun 'cuda' is cuda:LOCAL_RANK)
+        dist.all_gather_object(every, dict(cfg, device=device.type, code=configurator.code(), torch=torch.__version__))
         if differ := configurator.differences(every, per_node=('out_dir', 'memory_gb')):  # (a mount; a node's memory)
             sys.exit(config_error(ValueError(differ), rank))
     master_process = rank == 0
