@@ -960,6 +960,23 @@ def test_the_code_every_rank_compares_is_the_source_it_runs(tmp_path, monkeypatc
     monkeypatch.delitem(sys.modules, 'mod')
 
 
+def two_nodes(args, cwd=(None, None), timeout=180):
+    """Nodes 0 and 1 of one rank each, on this machine (torchrun's static rendezvous at 127.0.0.1), node n running
+    train.py with args[n] in cwd[n]: ([exit codes], [(stdout, stderr)])."""
+    port = comm.free_port()
+    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1', '--nnodes=2',
+                               f'--node_rank={n}', '--master_addr=127.0.0.1', f'--master_port={port}', *args[n]],
+                              cwd=cwd[n], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True, env={**os.environ, 'OMP_NUM_THREADS': '1'}) for n in (0, 1)]
+    try:
+        outs = [node.communicate(timeout=timeout) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, 9)
+    return [node.returncode for node in nodes], outs
+
+
 def test_two_nodes_started_with_different_overrides_stop_at_the_start_in_one_line(tmp_path):
     # each node's launcher gets a command line of its own. Before, node 0's ranks ended at max_iters=4 while node 1's
     # stepped on: gloo aborted rank 0 (EnforceNotMet) and rank 1 died on "Connection reset by peer", two tracebacks;
@@ -967,18 +984,8 @@ def test_two_nodes_started_with_different_overrides_stop_at_the_start_in_one_lin
     args = ['train.py', 'config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32',
             '--block_size=16', '--batch_size=2', '--eval_iters=1', '--eval_interval=100', '--gradient_accumulation_steps=2',
             f'--out_dir={tmp_path}/out']
-    port = comm.free_port()
-    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1', '--nnodes=2',
-                               f'--node_rank={n}', '--master_addr=127.0.0.1', f'--master_port={port}', *args,
-                               f'--max_iters={4 * (n + 1)}'], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True, env={**os.environ, 'OMP_NUM_THREADS': '1'}) for n in (0, 1)]
-    try:
-        outs = [node.communicate(timeout=120) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, 9)
-    assert [node.returncode for node in nodes] == [1, 1] and outs[0][0] == outs[1][0] == ''  # no step, no eval
+    codes, outs = two_nodes([args + [f'--max_iters={4 * (n + 1)}'] for n in (0, 1)])
+    assert codes == [1, 1] and outs[0][0] == outs[1][0] == ''  # no step, no eval
     assert outs[0][1].startswith("config error: the ranks' configs differ (max_iters: 4 on rank(s) 0, 8 on rank(s) 1): "
                                  "start every machine with the same code, torch, config files and --key=value "
                                  "overrides\n"), outs[0][1][-3000:]
@@ -991,19 +998,8 @@ def test_two_nodes_whose_out_dirs_differ_stop_at_the_start_in_one_line(tmp_path)
     args = ['train.py', 'config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32',
             '--block_size=16', '--batch_size=2', '--eval_iters=1', '--max_iters=4', '--eval_interval=2',
             '--gradient_accumulation_steps=2']
-    port = comm.free_port()
-    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1', '--nnodes=2',
-                               f'--node_rank={n}', '--master_addr=127.0.0.1', f'--master_port={port}', *args,
-                               f'--out_dir={tmp_path}/node{n}'], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-             for n in (0, 1)]
-    try:
-        outs = [node.communicate(timeout=120) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, 9)
-    assert [node.returncode for node in nodes] == [1, 1] and outs[0][0] == outs[1][0] == ''  # no step, no eval
+    codes, outs = two_nodes([args + [f'--out_dir={tmp_path}/node{n}'] for n in (0, 1)])
+    assert codes == [1, 1] and outs[0][0] == outs[1][0] == ''  # no step, no eval
     assert outs[0][1].startswith(f"config error: out_dir='{tmp_path}/node0' is not one directory for every rank: "
                                  "rank(s) 1 do not see the file rank 0 made there."), outs[0][1][-3000:]
     assert 'config error' not in outs[1][1]  # rank 0 says it, once
@@ -1024,18 +1020,8 @@ def test_a_machine_whose_checkout_lacks_the_data_prepares_its_own(tmp_path):
     args = ['train.py', 'config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32',
             '--block_size=16', '--batch_size=2', '--eval_iters=1', '--eval_interval=2', '--max_iters=2',
             '--gradient_accumulation_steps=2', f'--out_dir={tmp_path}/out']
-    port = comm.free_port()
-    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1', '--nnodes=2',
-                               f'--node_rank={n}', '--master_addr=127.0.0.1', f'--master_port={port}', *args],
-                              cwd=None if n == 0 else tree, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True, env={**os.environ, 'OMP_NUM_THREADS': '1'}) for n in (0, 1)]
-    try:
-        outs = [node.communicate(timeout=180) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, 9)
-    assert [node.returncode for node in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    codes, outs = two_nodes([args, args], cwd=[None, tree])
+    assert codes == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert outs[1][0].startswith(f"preparing {tree}/data/shakespeare_char") and 'step 2: train loss' in outs[0][0]
     assert sorted(os.listdir(tree / 'data' / 'shakespeare_char')) == ['meta.json', 'prepare.py', 'train.bin', 'val.bin']
 
