@@ -1201,8 +1201,10 @@ def test_a_file_one_rank_cannot_look_at_is_said_by_that_rank(tmp_path):
     assert sorted(os.listdir(out_dir))[-1] == 'ckpt-00000010'  # nothing set aside
 
 
-def _check_shared_on(rank, init_file, out_dirs, said, full=False):
+def _check_shared_on(rank, init_file, out_dirs, said, full=False, cwd=None):
     dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
+    if cwd:
+        os.chdir(cwd)
     if full and rank == 0:  # out_dir's disk full since claim's checks
         resume.open = lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, 'No space left on device'))
     try:
@@ -1226,6 +1228,11 @@ def test_a_rank_that_does_not_see_out_dir_stops_every_rank_at_the_start(tmp_path
                     "the file rank 0 made there. Every rank writes its shard of a checkpoint into out_dir: put it on a "
                     "filesystem every node shares (the same path on each), not a node's own disk" for r in (0, 1)]
     assert os.listdir(one) == [] and os.listdir(other) == []  # rank 0's file removed
+    # a relative out_dir, found from each machine's own working directory (here: two names)
+    mp.spawn(_check_shared_on, args=(str(tmp_path / 'init4'), ['one', 'other'], str(tmp_path / 'said'), False,
+                                     str(tmp_path)), nprocs=2)
+    assert json.load(open(tmp_path / 'said0')).endswith("; a relative out_dir is found from each machine's working "
+                                                        "directory: give the shared path in full")
     mp.spawn(_check_shared_on, args=(str(tmp_path / 'init2'), [one, one], str(tmp_path / 'said')), nprocs=2)
     assert [json.load(open(tmp_path / f'said{r}')) for r in (0, 1)] == [[], []]  # both see it, and nothing stays
     mp.spawn(_check_shared_on, args=(str(tmp_path / 'init3'), [one, one], str(tmp_path / 'said'), True), nprocs=2)
