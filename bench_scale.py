@@ -110,7 +110,7 @@ def measure(kind, cfg, world_size, quick, build_only=False, link_specs=(), speed
         device = torch.device('cuda', device.index or 0)
         torch.cuda.set_device(device)
     dist.init_process_group('fake', rank=0, world_size=world_size, store=FakeStore())
-    train.prepare_data(cfg, rank=0)
+    train.prepare_data(cfg, 0, device)
     data = train.load_split(train.data_dir(cfg), 'train')
     args = train.model_args(cfg, train.vocab_size(cfg))
     sync = torch.cuda.synchronize if device.type == 'cuda' else (lambda: None)

@@ -279,7 +279,7 @@ def bench_zero(args):
         raise ValueError(f"--kinds={args.kinds} names a kind twice: each kind once")
     for kind in kinds:
         settings_of(kind, cfg)  # a bad setting stops the run here, before anything is built
-    train.prepare_data(cfg, rank)
+    train.prepare_data(cfg, rank, device)
     data = train.load_split(train.data_dir(cfg), 'train')
     drawn = [0]  # iterations drawn so far: every kind trains on the same iterations' batches
 

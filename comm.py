@@ -214,6 +214,21 @@ class Comm:
 # A run's process group: its start (start_process_group, restart_store) and its end (end_process_group)
 
 
+def gather_objects(obj):
+    """Every rank's obj (picklable), by rank: start-up checks only (not counted; not under the fake group)."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
+
+
+def ranks_where(flag, device):
+    """The ranks where flag is true, on every rank: one all-reduce of a flag a rank (start-up checks, not counted)."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    flags[dist.get_rank()] = bool(flag)
+    dist.all_reduce(flags)
+    return flags.nonzero().flatten().tolist()
+
+
 def launched_world_size():
     """The world size start_process_group will give this process: a launcher's WORLD_SIZE if it set RANK too, else 1."""
     return int(os.environ['WORLD_SIZE']) if 'RANK' in os.environ else 1
@@ -264,7 +279,8 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
     note = threading.Timer(quiet_for, lambda: print(
         f"rank {rank}: still waiting for the other {world_size - 1} rank(s) at {os.environ.get('MASTER_ADDR')}:"
         f"{os.environ.get('MASTER_PORT')} after {quiet_for:g} s: are they started, with the same WORLD_SIZE and "
-        "MASTER_ADDR:MASTER_PORT?", file=sys.stderr, flush=True))
+        "MASTER_ADDR:MASTER_PORT? (a rank that stopped before this point said why in its machine's log)",
+        file=sys.stderr, flush=True))
     note.daemon = True
     if os.environ.get('LOCAL_RANK', '0') == '0':  # one line a machine, not one a GPU
         note.start()

@@ -85,9 +85,12 @@ def typed(key, value, where, defaults, also=None):
 def code(root=ROOT):
     """The CRC-32 of the sources this process runs from root: its modules there (train.py's imports) and csrc/'s
     kernel. Machines with checkouts of their own may hold different commits, which pair unlike collectives."""
-    files = {m.__file__ for m in list(sys.modules.values()) if os.path.dirname(getattr(m, '__file__', None) or '') == root}
+    root = os.path.realpath(root)  # (a script run through a symlinked path keeps that path as its __file__)
+    files = {os.path.realpath(m.__file__) for m in list(sys.modules.values())
+             if os.path.isabs(getattr(m, '__file__', None) or '')}  # (torch._classes' is a bare name)
+    files = {f for f in files if os.path.dirname(f) == root and f.endswith('.py')}
     crc = 0
-    for path in sorted(files | set(glob.glob(os.path.join(root, 'csrc', '*')))):
+    for path in sorted(files | {f for ext in ('cu', 'cpp', 'h') for f in glob.glob(os.path.join(root, 'csrc', f'*.{ext}'))}):
         with open(path, 'rb') as f:
             crc = zlib.crc32(f.read(), crc)
     return f"{crc:08x}"

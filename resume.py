@@ -28,6 +28,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+import comm
 import kernels
 
 FORMAT = 1  # of the manifest that checkpoint.save writes
@@ -205,12 +206,9 @@ def check_shared(out_dir, rank, world_size, device, wait=5.0):
     deadline = time.monotonic() + wait
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.1)
-    blind = torch.zeros(world_size, dtype=torch.int32, device=device)
-    blind[rank] = not os.path.exists(path)
-    dist.all_reduce(blind)
+    missing = comm.ranks_where(not os.path.exists(path), device)
     if rank == 0:
         os.remove(path)
-    missing = blind.nonzero().flatten().tolist()
     if missing:
         named = ', '.join(map(str, missing[:8])) + (f' and {len(missing) - 8} more' if len(missing) > 8 else '')
         raise ValueError(f"out_dir={out_dir!r} is not one directory for every rank: rank(s) {named} do not see the file "

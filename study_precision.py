@@ -116,7 +116,7 @@ def main():
     study, seeds = (QUICK, [1337]) if args.quick else (STUDY, [int(s) for s in args.seeds.split(',')])
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(comm.free_port()))
     dist.init_process_group('gloo', rank=0, world_size=1)
-    train.prepare_data({**train.DEFAULTS, **study}, 0)
+    train.prepare_data({**train.DEFAULTS, **study}, 0, torch.device('cpu'))
     results, t0 = {}, time.time()
     for name, keys in PATTERNS.items():
         for seed in seeds:

