@@ -95,7 +95,7 @@ def main():
     cfg = train.parse_config(['config/zero3.py'] + [f'--{kv}' for kv in overrides])
     device, rank, world = comm.start_process_group(cfg['device'], cfg['backend'])
     train.check_config(cfg, world)
-    train.prepare_data(cfg, rank)
+    train.prepare_data(cfg, rank, device)
     data = train.load_split(train.data_dir(cfg), 'train')
     cuda = device.type == 'cuda'
     os.makedirs(a.out, exist_ok=True)
