@@ -433,8 +433,8 @@ if __name__ == '__main__':
         config = parse_config(sys.argv[1:])
         check_config(config, comm.launched_world_size())
         lock = resume.claim(config['out_dir']) if os.environ.get('RANK', '0') == '0' and not config['eval_only'] else None
-        if os.path.exists(os.path.join(data_dir(config), 'meta.json')):  # else the vocab is known after preparing it
-            resume.find_resume(config, model_args(config, vocab_size(config)))  # a bad checkpoint: one line too
+        if os.environ.get('RANK', '0') == '0' and os.path.exists(os.path.join(data_dir(config), 'meta.json')):
+            resume.find_resume(config, model_args(config, vocab_size(config)))  # one line; the others: after check_shared
     except ValueError as e:  # one line, once a machine (torchrun starts its ranks with the same mistake), exit code 1
         sys.exit(config_error(e, int(os.environ.get('RANK', 0)), met=False))
     try:
