@@ -182,7 +182,7 @@ def claim(out_dir):
 # across jobs (containers, the agent as pid 1), two jobs look alike: a restart resumes any checkpoint, as before.
 
 
-def check_shared(out_dir, rank, world_size, device, wait=5.0):
+def check_shared(out_dir, rank, world_size, device, wait=2.0):
     """[Note: one out_dir for every rank] Every rank writes its shard of a checkpoint into out_dir, and rank 0 the
     manifest beside them once all are there; so out_dir must be one directory that every rank sees. Where a node has
     its own disk at that path (or a node's config names another out_dir), the run used to train until its first save,

@@ -1201,19 +1201,22 @@ def test_a_file_one_rank_cannot_look_at_is_said_by_that_rank(tmp_path):
     assert sorted(os.listdir(out_dir))[-1] == 'ckpt-00000010'  # nothing set aside
 
 
-def _check_shared_on(rank, init_file, out_dirs, said, full=False, cwd=None):
+def _check_shared_on(rank, init_file, root, said):
+    # four cases in one process group: each rank's out_dir, as (rank 0's, rank 1's); rank 0's disk full or not
     dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=2)
-    if cwd:
-        os.chdir(cwd)
-    if full and rank == 0:  # out_dir's disk full since claim's checks
-        resume.open = lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, 'No space left on device'))
-    try:
-        resume.check_shared(out_dirs[rank], rank, 2, CPU, wait=0.5)
-        dist.barrier()  # (rank 0 has removed its file)
-        result = sorted(os.listdir(out_dirs[rank]))
-    except ValueError as e:
-        result = str(e)
-    json.dump(result, open(f'{said}{rank}', 'w'))
+    os.chdir(root)  # (the relative case)
+    results = []
+    for out_dirs, full in ((['one', 'other'], False), ([f'{root}/one', f'{root}/other'], False),
+                           ([f'{root}/one'] * 2, False), ([f'{root}/one'] * 2, True)):
+        if full and rank == 0:  # out_dir's disk full since claim's checks
+            resume.open = lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, 'No space left on device'))
+        try:
+            resume.check_shared(out_dirs[rank], rank, 2, CPU, wait=0.5)
+            dist.barrier()  # (rank 0 has removed its file)
+            results.append(sorted(os.listdir(out_dirs[rank])))
+        except ValueError as e:
+            results.append(str(e))
+    json.dump(results, open(f'{said}{rank}', 'w'))
     comm.end_process_group(CPU)
 
 
@@ -1222,22 +1225,18 @@ def test_a_rank_that_does_not_see_out_dir_stops_every_rank_at_the_start(tmp_path
     # Before, such a run trained until its first save and failed there: "rank 1 could not write it ([Errno 2] ...)"
     one, other = str(tmp_path / 'one'), str(tmp_path / 'other')
     os.makedirs(one), os.makedirs(other)
-    mp.spawn(_check_shared_on, args=(str(tmp_path / 'init'), [one, other], str(tmp_path / 'said')), nprocs=2)
-    said = [json.load(open(tmp_path / f'said{r}')) for r in (0, 1)]
-    assert said == [f"out_dir={one if r == 0 else other!r} is not one directory for every rank: rank(s) 1 do not see "
-                    "the file rank 0 made there. Every rank writes its shard of a checkpoint into out_dir: put it on a "
-                    "filesystem every node shares (the same path on each), not a node's own disk" for r in (0, 1)]
-    assert os.listdir(one) == [] and os.listdir(other) == []  # rank 0's file removed
-    # a relative out_dir, found from each machine's own working directory (here: two names)
-    mp.spawn(_check_shared_on, args=(str(tmp_path / 'init4'), ['one', 'other'], str(tmp_path / 'said'), False,
-                                     str(tmp_path)), nprocs=2)
-    assert json.load(open(tmp_path / 'said0')).endswith("; a relative out_dir is found from each machine's working "
-                                                        "directory: give the shared path in full")
-    mp.spawn(_check_shared_on, args=(str(tmp_path / 'init2'), [one, one], str(tmp_path / 'said')), nprocs=2)
-    assert [json.load(open(tmp_path / f'said{r}')) for r in (0, 1)] == [[], []]  # both see it, and nothing stays
-    mp.spawn(_check_shared_on, args=(str(tmp_path / 'init3'), [one, one], str(tmp_path / 'said'), True), nprocs=2)
-    assert [json.load(open(tmp_path / f'said{r}')) for r in (0, 1)] == [  # every rank stops; rank 0 knows why
-        f"out_dir={one!r} is not a directory this run can write to ({why})" for why in ('No space left on device', 'on rank 0')]
+    mp.spawn(_check_shared_on, args=(str(tmp_path / 'init'), str(tmp_path), str(tmp_path / 'said')), nprocs=2)
+    relative, absolute, shared, full = zip(*[json.load(open(tmp_path / f'said{r}')) for r in (0, 1)])
+    unseen = ("{!r} is not one directory for every rank: rank(s) 1 do not see the file rank 0 made there. Every rank "
+              "writes its shard of a checkpoint into out_dir: put it on a filesystem every node shares (the same path on "
+              "each), not a node's own disk")
+    assert list(absolute) == ['out_dir=' + unseen.format(d) for d in (one, other)]
+    assert list(relative) == ['out_dir=' + unseen.format(d) + "; a relative out_dir is found from each machine's "
+                              "working directory: give the shared path in full" for d in ('one', 'other')]
+    assert list(shared) == [[], []]  # both see it, and rank 0's file is gone
+    assert os.listdir(one) == [] and os.listdir(other) == []
+    assert list(full) == [f"out_dir={one!r} is not a directory this run can write to ({why})"  # every rank stops;
+                          for why in ('No space left on device', 'on rank 0')]  # rank 0 knows why
 
 
 def _save_on(rank, init_file, out_dir, said):
