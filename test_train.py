@@ -1004,16 +1004,21 @@ def test_two_nodes_started_with_different_overrides_stop_at_the_start_in_one_lin
 
 def test_two_nodes_whose_out_dirs_differ_stop_at_the_start_in_one_line(tmp_path):
     # [Note: one out_dir for every rank], through train.py: each node's own out_dir (as a disk of its own at one path).
-    # Before, both nodes trained to the first save (iteration 2 here, after hours in a real run) and failed there
+    # Before, a run from scratch trained to its first save (after hours in a real run) and failed there; and resuming,
+    # as here (node 0's disk holds a checkpoint, node 1's none), node 1 stopped before the ranks met, without a word,
+    # and node 0 waited for it. Now only rank 0 looks for a checkpoint before they meet, the others after check_shared
     args = ['train.py', 'config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32',
-            '--block_size=16', '--batch_size=2', '--eval_iters=1', '--max_iters=4', '--eval_interval=2',
-            '--gradient_accumulation_steps=2']
-    codes, outs = two_nodes([args + [f'--out_dir={tmp_path}/node{n}'] for n in (0, 1)])
+            '--block_size=16', '--batch_size=2', '--eval_iters=1', '--eval_interval=2', '--gradient_accumulation_steps=2']
+    saved = subprocess.run([sys.executable, *args, '--max_iters=2', '--always_save_checkpoint=True',
+                            f'--out_dir={tmp_path}/node0'], capture_output=True, text=True, timeout=120)
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    codes, outs = two_nodes([args + ['--max_iters=4', '--init_from=resume', f'--out_dir={tmp_path}/node{n}']
+                             for n in (0, 1)])
     assert codes == [1, 1] and outs[0][0] == outs[1][0] == ''  # no step, no eval
     assert outs[0][1].startswith(f"config error: out_dir='{tmp_path}/node0' is not one directory for every rank: "
                                  "rank(s) 1 do not see the file rank 0 made there."), outs[0][1][-3000:]
     assert 'config error' not in outs[1][1]  # rank 0 says it, once
-    assert os.listdir(tmp_path / 'node0') == ['.lock']  # no checkpoint, no job mark, rank 0's file removed
+    assert sorted(os.listdir(tmp_path / 'node0')) == ['.job', '.lock', 'ckpt-00000002']  # rank 0's file removed
 
 
 def test_a_machine_whose_checkout_lacks_the_data_prepares_its_own(tmp_path):
