@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import comm
+import configurator
 import kernels
 
 FORMAT = 1  # of the manifest that checkpoint.save writes
@@ -210,8 +211,7 @@ def check_shared(out_dir, rank, world_size, device, wait=2.0):
     if rank == 0:
         os.remove(path)
     if missing:
-        named = ', '.join(map(str, missing[:8])) + (f' and {len(missing) - 8} more' if len(missing) > 8 else '')
-        raise ValueError(f"out_dir={out_dir!r} is not one directory for every rank: rank(s) {named} do not see the file "
+        raise ValueError(f"out_dir={out_dir!r} is not one directory for every rank: rank(s) {configurator.spans(missing)} do not see the file "
                          f"rank 0 made there. Every rank writes its shard of a checkpoint into out_dir: put it on a "
                          f"filesystem every node shares (the same path on each), not a node's own disk"
                          + ("; a relative out_dir is found from each machine's working directory: give the shared "

@@ -326,9 +326,9 @@ def catch_ctrl_c():
 
 def main(cfg):
     device, rank, world_size = comm.start_process_group(cfg['device'], cfg['backend'])
-    job = dict(cfg, device=device.type, code=configurator.code(), torch=torch.__version__)  # each machine's launcher
-    if differ := configurator.differences(comm.gather_objects(job), per_node=('out_dir', 'memory_gb')):  # has its own
-        sys.exit(config_error(ValueError(differ), rank))  # command line and may have its own checkout
+    job = dict(cfg, device=device.type, code=configurator.code(), torch=torch.__version__)  # each machine is launched
+    if differ := configurator.differences(comm.gather_objects(job), per_node=('out_dir', 'memory_gb')):  # on its own
+        sys.exit(config_error(ValueError(differ), rank))
     master_process = rank == 0
     log = print if master_process else (lambda *a, **k: None)
     try:  # (in __main__ too, unless the data was prepared just now: its vocab was unknown there)

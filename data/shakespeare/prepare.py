@@ -105,12 +105,14 @@ def write_dataset(out_dir, splits, meta):
     data/ may prepare it at once (train.prepare_data)."""
     os.makedirs(out_dir, exist_ok=True)
     for split, ids in splits.items():
-        ids.tofile(f'{os.path.join(out_dir, split)}.bin.{os.getpid()}')
-        os.replace(f'{os.path.join(out_dir, split)}.bin.{os.getpid()}', os.path.join(out_dir, f'{split}.bin'))
+        mine = os.path.join(out_dir, f'{split}.bin.{os.getpid()}')
+        ids.tofile(mine)
+        os.replace(mine, os.path.join(out_dir, f'{split}.bin'))
         meta[f'{split}_tokens'] = len(ids)
-    with open(os.path.join(out_dir, f'meta.json.{os.getpid()}'), 'w') as f:
+    mine = os.path.join(out_dir, f'meta.json.{os.getpid()}')
+    with open(mine, 'w') as f:
         json.dump(meta, f, indent=1)
-    os.replace(os.path.join(out_dir, f'meta.json.{os.getpid()}'), os.path.join(out_dir, 'meta.json'))
+    os.replace(mine, os.path.join(out_dir, 'meta.json'))
     print(f"{out_dir}: {meta['vocab_size']:,} token ids, {meta['train_tokens']:,} train tokens, {meta['val_tokens']:,} val tokens")
     return meta
 
