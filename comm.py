@@ -32,6 +32,7 @@ What it cannot show: a real collective's bandwidth shared with other traffic, it
 memory bandwidth (gloo on a CPU competes with compute: see bench_link.py), and stragglers: every rank is rank 0.
 """
 import contextlib
+import datetime
 import gc
 import importlib
 import math
@@ -265,8 +266,8 @@ def gpu_problems(device, gpus):
 def start_process_group(device_name, backend='', quiet_for=30.0):
     """Under torchrun: one process per rank, its device, its backend ('' = nccl on GPUs, gloo on CPUs). Without
     torchrun: world size 1 (a 1-rank process group, so every stage runs the same code). Returns (device, rank,
-    world size). A rendezvous still waiting after quiet_for seconds says so on stderr, once, naming what it waits
-    for (e.g. RANK and WORLD_SIZE set by hand, the other ranks never started): a wait is never silent."""
+    world size). While it waits for the other ranks, wait_beside says so after quiet_for seconds, and stops it when
+    a rank stopped before meeting ([Note: a rank that stops before the ranks meet])."""
     launched = 'RANK' in os.environ
     if not launched:  # a port the OS says is free: two runs alone on one machine must not meet at one
         os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()))
@@ -276,20 +277,68 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
         torch.cuda.set_device(device)
     backend = backend or ('nccl' if device.type == 'cuda' else 'gloo')
     rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
-    note = threading.Timer(quiet_for, lambda: print(
-        f"rank {rank}: still waiting for the other {world_size - 1} rank(s) at {os.environ.get('MASTER_ADDR')}:"
-        f"{os.environ.get('MASTER_PORT')} after {quiet_for:g} s: are they started, with the same WORLD_SIZE and "
-        "MASTER_ADDR:MASTER_PORT? (a rank that stopped before this point said why in its machine's log)",
-        file=sys.stderr, flush=True))
-    note.daemon = True
-    if os.environ.get('LOCAL_RANK', '0') == '0':  # one line a machine, not one a GPU
-        note.start()
+    met = threading.Event()
+    threading.Thread(target=wait_beside, args=(rank, world_size, met, quiet_for), daemon=True).start()
     try:
         dist.init_process_group(backend=backend, device_id=device if backend == 'nccl' else None,
                                 store=restart_store(), rank=rank, world_size=world_size)
     finally:
-        note.cancel()
+        met.set()
     return device, dist.get_rank(), dist.get_world_size()
+
+
+# [Note: a rank that stops before the ranks meet] torchrun starts each machine's ranks on its own. A rank that stops
+# before start_process_group (its machine's config mistake, a dataset it lacks) ends its own machine's ranks (their
+# torchrun ends them), but the other machines' ranks would wait at the rendezvous until torch's timeout (30 min for
+# gloo). So that rank leaves its line in torchrun's store (node 0's torchrun holds it) before it exits, and every rank
+# waiting at the rendezvous looks there twice a second and, finding a line, stops with it. The rank that stopped waits
+# (up to `linger` s) until every rank has read the line or stopped too: node 0's store ends with node 0's ranks.
+def agent_store(timeout):
+    """torchrun's own store (its agent's, on node 0), under this attempt's prefix; None when there is none."""
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or launched_world_size() == 1:
+        return None
+    try:
+        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError:  # unreachable: nobody to tell, nobody to hear
+        return None
+    return dist.PrefixStore(f"nanozero/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def stop_before_meeting(line, linger=5.0):
+    """A rank that stops before start_process_group: tells the ranks waiting there why (the first such rank's line)."""
+    if (store := agent_store(5.0)) is None:
+        return
+    store.compare_set('stopped', '', f"rank {os.environ['RANK']} ({socket.gethostname()}) stopped before the ranks "
+                                     f"met: {line}")
+    store.add('gone', 1)
+    end = time.monotonic() + linger
+    while store.add('gone', 0) < launched_world_size() and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def wait_beside(rank, world_size, met, quiet_for):
+    """Beside a rank waiting at the rendezvous until `met` is set: stops it when another rank stopped before meeting;
+    says after quiet_for seconds what it waits for (e.g. RANK and WORLD_SIZE set by hand, the other ranks never
+    started), once a machine: a wait is never silent."""
+    first = os.environ.get('LOCAL_RANK', '0') == '0'  # one line a machine, not one a GPU
+    store, since, said = agent_store(5.0), time.monotonic(), False
+    while not met.wait(min(0.5, quiet_for)):
+        try:
+            line = store.get('stopped').decode() if store is not None and store.check(['stopped']) else None
+            line is None or store.add('gone', 1)
+        except RuntimeError:  # node 0's torchrun (and its store) ended: its own log says why
+            store = line = None
+        if line is not None:
+            if first:
+                print(f"rank {rank}: stopping: {line}", file=sys.stderr, flush=True)
+            os._exit(1)
+        if first and not said and time.monotonic() - since >= quiet_for:
+            said = True
+            print(f"rank {rank}: still waiting for the other {world_size - 1} rank(s) at {os.environ.get('MASTER_ADDR')}:"
+                  f"{os.environ.get('MASTER_PORT')} after {quiet_for:g} s: are they started, with the same WORLD_SIZE and "
+                  "MASTER_ADDR:MASTER_PORT? (a rank that stopped before this point said why in its machine's log)",
+                  file=sys.stderr, flush=True)
 
 
 def free_port():

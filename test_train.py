@@ -7,6 +7,7 @@ the batch stream), end-to-end runs under torchrun, and the benchmark's own claim
 import argparse
 import ast
 import atexit
+import concurrent.futures
 import contextlib
 import glob
 import os
@@ -448,6 +449,34 @@ def test_a_rendezvous_still_waiting_says_so_once_and_a_quick_one_says_nothing(mo
     assert capsys.readouterr().err == ("rank 0: still waiting for the other 3 rank(s) at 10.0.0.7:29777 after 0.1 s: "
                                        "are they started, with the same WORLD_SIZE and MASTER_ADDR:MASTER_PORT? (a "
                                        "rank that stopped before this point said why in its machine's log)\n")
+
+
+def test_a_rank_that_stops_before_meeting_waits_until_every_rank_has_read_its_line(monkeypatch, capsys):
+    # [Note: a rank that stops before the ranks meet], with torchrun's store stood in for: rank 2 of 3 stops; it stays
+    # until ranks 0 and 1 have read its line (node 0's store would end with node 0's ranks), and a later stop's line
+    # does not replace the first one's
+    server = torch.distributed.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)
+    for key, value in dict(TORCHELASTIC_USE_AGENT_STORE='True', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(server.port),
+                           WORLD_SIZE='3', RANK='2', LOCAL_RANK='0', TORCHELASTIC_RESTART_COUNT='1').items():
+        monkeypatch.setenv(key, value)
+    store, exits, met = torch.distributed.PrefixStore('nanozero/attempt1', server), [], threading.Event()
+    monkeypatch.setattr(comm.os, '_exit', lambda code: exits.append(code) or met.set())  # ends the listener's loop
+    stopper = threading.Thread(target=comm.stop_before_meeting, args=('config error: x',))
+    stopper.start()
+    store.wait(['stopped'])
+    line = f"rank 2 ({socket.gethostname()}) stopped before the ranks met: config error: x"
+    assert store.get('stopped').decode() == line
+    time.sleep(0.5)
+    assert stopper.is_alive() and exits == []  # nobody has read it yet
+    listener = threading.Thread(target=comm.wait_beside, args=(0, 3, met, 30.0))  # rank 0, at the rendezvous
+    listener.start()
+    listener.join(timeout=10)
+    assert exits == [1] and capsys.readouterr().err == f"rank 0: stopping: {line}\n"
+    assert stopper.is_alive() and store.add('gone', 0) == 2  # rank 2 stopped, rank 0 read it, rank 1 has not
+    monkeypatch.setenv('RANK', '1')
+    comm.stop_before_meeting('config error: y')  # rank 1 stops too: every rank has read it or stopped
+    stopper.join(timeout=2)  # (its linger is 5 s)
+    assert not stopper.is_alive() and store.get('stopped').decode() == line
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
@@ -1000,6 +1029,25 @@ def test_two_nodes_started_with_different_overrides_stop_at_the_start_in_one_lin
                                  "start every machine with the same code, torch, config files and --key=value "
                                  "overrides\n"), outs[0][1][-3000:]
     assert 'config error' not in outs[1][1] and '[rank1]' not in outs[1][1]  # rank 0 says it; no worker's traceback
+
+
+def test_a_machine_that_stops_before_the_ranks_meet_stops_the_other_machines_at_once(tmp_path):
+    # [Note: a rank that stops before the ranks meet] (comm.py): one node started with a mistake of its own. Before, its
+    # rank said why and stopped, and the other node's waited at the rendezvous for torch's timeout (30 min for gloo).
+    # Now the other node stops too, with that line. Node 1's mistake; and node 0's, whose torchrun holds the store
+    args = ['train.py', 'config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32',
+            '--block_size=16', '--batch_size=2', '--eval_iters=1', '--max_iters=4', f'--out_dir={tmp_path}/out']
+    pairs = [[args, args + ['--max_itres=4']], [args + ['--max_itres=4'], args]]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two jobs at once, each on a port of its own
+        runs = list(pool.map(lambda pair: two_nodes(pair, timeout=90), pairs))
+    said = "config error: unknown config key 'max_itres' in --max_itres=4; did you mean max_iters or eval_iters?\n"
+    host = socket.gethostname()
+    for bad, (codes, outs) in zip((1, 0), runs):
+        good = 1 - bad
+        assert codes == [1, 1] and outs[0][0] == outs[1][0] == '', outs
+        assert outs[bad][1].startswith(f"rank {bad}: " * bad + said), outs[bad][1][-3000:]
+        assert outs[good][1].startswith(f"rank {good}: stopping: rank {bad} ({host}) stopped before the ranks met: "
+                                        + said), outs[good][1][-3000:]
 
 
 def test_two_nodes_whose_out_dirs_differ_stop_at_the_start_in_one_line(tmp_path):

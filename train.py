@@ -303,8 +303,7 @@ def compile_model(model, engine):
 
 
 def config_error(e, rank, met=True):  # sys.exit's: one line from rank 0 (every rank meets it), from a rank a file was
-    # Unreadable to, or from each machine's first rank that a MachineError stops, or any error before the ranks met
-    # (met=False: another machine may have another config or checkout, and its ranks not even start)
+    # Unreadable to, or from each machine's first rank for a MachineError or an error before the ranks met (met=False)
     first = os.environ.get('LOCAL_RANK', '0') == '0' or 'LOCAL_WORLD_SIZE' not in os.environ
     says = rank == 0 or isinstance(e, resume.Unreadable) or ((isinstance(e, comm.MachineError) or not met) and first)
     return f"{f'rank {rank}: ' * (rank > 0)}config error: {e}" if says else 1
@@ -436,6 +435,7 @@ if __name__ == '__main__':
         if os.environ.get('RANK', '0') == '0' and os.path.exists(os.path.join(data_dir(config), 'meta.json')):
             resume.find_resume(config, model_args(config, vocab_size(config)))  # one line; the others: after check_shared
     except ValueError as e:  # one line, once a machine (torchrun starts its ranks with the same mistake), exit code 1
+        comm.stop_before_meeting(f'config error: {e}')  # the other machines' ranks stop too, not wait at the rendezvous
         sys.exit(config_error(e, int(os.environ.get('RANK', 0)), met=False))
     try:
         main(config)
