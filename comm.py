@@ -31,6 +31,7 @@ an all-reduce left out takes a reduce-scatter's time plus an all-gather's, and o
 What it cannot show: a real collective's bandwidth shared with other traffic, its own use of the cores and
 memory bandwidth (gloo on a CPU competes with compute: see bench_link.py), and stragglers: every rank is rank 0.
 """
+import atexit
 import contextlib
 import datetime
 import gc
@@ -230,6 +231,12 @@ def ranks_where(flag, device):
     return flags.nonzero().flatten().tolist()
 
 
+def first_on_machine():
+    """This rank is its machine's first (LOCAL_RANK 0), or cannot tell (RANK set by hand, no torchrun's
+    LOCAL_WORLD_SIZE): a line meant once a machine, not once a GPU."""
+    return os.environ.get('LOCAL_RANK', '0') == '0' or 'LOCAL_WORLD_SIZE' not in os.environ
+
+
 def launched_world_size():
     """The world size start_process_group will give this process: a launcher's WORLD_SIZE if it set RANK too, else 1."""
     return int(os.environ['WORLD_SIZE']) if 'RANK' in os.environ else 1
@@ -266,8 +273,7 @@ def gpu_problems(device, gpus):
 def start_process_group(device_name, backend='', quiet_for=30.0):
     """Under torchrun: one process per rank, its device, its backend ('' = nccl on GPUs, gloo on CPUs). Without
     torchrun: world size 1 (a 1-rank process group, so every stage runs the same code). Returns (device, rank,
-    world size). While it waits for the other ranks, wait_beside says so after quiet_for seconds, and stops it when
-    a rank stopped before meeting ([Note: a rank that stops before the ranks meet])."""
+    world size). Beside it, from the rendezvous to the end, watch_the_others ([Note: a rank that stops on its own])."""
     launched = 'RANK' in os.environ
     if not launched:  # a port the OS says is free: two runs alone on one machine must not meet at one
         os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()))
@@ -278,7 +284,9 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
     backend = backend or ('nccl' if device.type == 'cuda' else 'gloo')
     rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
     met = threading.Event()
-    threading.Thread(target=wait_beside, args=(rank, world_size, met, quiet_for), daemon=True).start()
+    watcher = threading.Thread(target=watch_the_others, args=(rank, world_size, met, quiet_for), daemon=True)
+    watcher.start()
+    atexit.register(lambda: ENDED.set() or watcher.join(timeout=10))
     try:
         dist.init_process_group(backend=backend, device_id=device if backend == 'nccl' else None,
                                 store=restart_store(), rank=rank, world_size=world_size)
@@ -287,12 +295,19 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
     return device, dist.get_rank(), dist.get_world_size()
 
 
-# [Note: a rank that stops before the ranks meet] torchrun starts each machine's ranks on its own. A rank that stops
-# before start_process_group (its machine's config mistake, a dataset it lacks) ends its own machine's ranks (their
-# torchrun ends them), but the other machines' ranks would wait at the rendezvous until torch's timeout (30 min for
-# gloo). So that rank leaves its line in torchrun's store (node 0's torchrun holds it) before it exits, and every rank
-# waiting at the rendezvous looks there twice a second and, finding a line, stops with it. The rank that stopped waits
-# (up to `linger` s) until every rank has read the line or stopped too: node 0's store ends with node 0's ranks.
+# [Note: a rank that stops on its own] torchrun starts each machine's ranks on its own, and ends them on its own: when
+# a rank stops, its machine's torchrun ends that machine's other ranks, and no other machine's. Those wait: at the
+# rendezvous, for a rank that stopped before it (its machine's config mistake, a dataset it lacks), until torch's timeout
+# (30 min for gloo); mid-run, under NCCL, in their next collective until its timeout (10 min), for a rank that raised
+# (a CUDA out-of-memory on one GPU). gloo notices a peer gone at once, but each rank then prints a traceback of its own
+# ("Connection closed by peer"), not the cause. So a rank that stops on its own leaves its line in torchrun's store
+# (node 0's torchrun holds it; only the first rank's line is kept), and every rank watches the store beside its work
+# (watch_the_others) and, finding a line, stops with it; a rank that raises after it says that line, not its own
+# traceback. The rank that stopped waits (up to `linger` s) until every rank has read the line or stopped too: node 0's
+# store ends with node 0's ranks.
+ENDED = threading.Event()  # set at exit: the watcher stops before Python does
+
+
 def agent_store(timeout):
     """torchrun's own store (its agent's, on node 0), under this attempt's prefix; None when there is none."""
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or launched_world_size() == 1:
@@ -305,40 +320,60 @@ def agent_store(timeout):
     return dist.PrefixStore(f"nanozero/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def stop_before_meeting(line, linger=5.0):
-    """A rank that stops before start_process_group: tells the ranks waiting there why (the first such rank's line)."""
+def tell_the_others(line, before_meeting=False, linger=5.0):
+    """A rank that stops on its own leaves its line for the others to stop with; returns the line of the rank that
+    stopped first if that was another (this rank's stop may follow from it), else None."""
     if (store := agent_store(5.0)) is None:
-        return
-    store.compare_set('stopped', '', f"rank {os.environ['RANK']} ({socket.gethostname()}) stopped before the ranks "
-                                     f"met: {line}")
+        return None
+    mine = f"rank {os.environ['RANK']} ({socket.gethostname()}) stopped{' before the ranks met' * before_meeting}: {line}"
+    first = store.compare_set('stopped', '', mine).decode()
     store.add('gone', 1)
     end = time.monotonic() + linger
     while store.add('gone', 0) < launched_world_size() and time.monotonic() < end:
         time.sleep(0.05)
+    return None if first == mine else first
 
 
-def wait_beside(rank, world_size, met, quiet_for):
-    """Beside a rank waiting at the rendezvous until `met` is set: stops it when another rank stopped before meeting;
-    says after quiet_for seconds what it waits for (e.g. RANK and WORLD_SIZE set by hand, the other ranks never
-    started), once a machine: a wait is never silent."""
-    first = os.environ.get('LOCAL_RANK', '0') == '0'  # one line a machine, not one a GPU
-    store, since, said = agent_store(5.0), time.monotonic(), False
-    while not met.wait(min(0.5, quiet_for)):
+def watch_the_others(rank, world_size, met, quiet_for):
+    """Beside a rank from its rendezvous to its end: stops it when another rank stopped on its own; while it waits at
+    the rendezvous (until `met` is set), says after quiet_for seconds what for (e.g. RANK and WORLD_SIZE set by hand,
+    the other ranks never started), once a machine: a wait is never silent."""
+    first, store, since, said = first_on_machine(), agent_store(5.0), time.monotonic(), False
+    while not (store is None and met.is_set()) and not ENDED.wait(1.0 if met.is_set() else min(0.5, quiet_for)):
         try:
             line = store.get('stopped').decode() if store is not None and store.check(['stopped']) else None
+            line = None if line is None or line.startswith(f"rank {rank} (") else line  # its own: it says it
             line is None or store.add('gone', 1)
         except RuntimeError:  # node 0's torchrun (and its store) ended: its own log says why
             store = line = None
         if line is not None:
             if first:
                 print(f"rank {rank}: stopping: {line}", file=sys.stderr, flush=True)
+            sys.stdout.flush()  # (os._exit flushes nothing: the log's last lines)
             os._exit(1)
-        if first and not said and time.monotonic() - since >= quiet_for:
+        if first and not said and not met.is_set() and time.monotonic() - since >= quiet_for:
             said = True
             print(f"rank {rank}: still waiting for the other {world_size - 1} rank(s) at {os.environ.get('MASTER_ADDR')}:"
                   f"{os.environ.get('MASTER_PORT')} after {quiet_for:g} s: are they started, with the same WORLD_SIZE and "
                   "MASTER_ADDR:MASTER_PORT? (a rank that stopped before this point said why in its machine's log)",
                   file=sys.stderr, flush=True)
+
+
+def tell_on_a_crash():
+    """sys.excepthook for a run's ranks (under torchrun, across ranks): an exception no one caught is told to the
+    others, and if another rank stopped first, said as that rank's stop in one line (this one's most likely follows
+    from it: gloo's peer gone), not a traceback."""
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or launched_world_size() == 1:
+        return
+    shown = sys.excepthook
+
+    def hook(kind, e, tb):
+        said = str(e).strip().splitlines()[0] if str(e).strip() else ''
+        first = tell_the_others(f"{kind.__name__}: {said}", before_meeting=not dist.is_initialized())
+        if first is None:
+            return shown(kind, e, tb)
+        print(f"rank {os.environ['RANK']}: stopping: {first} (then here: {kind.__name__})", file=sys.stderr, flush=True)
+    sys.excepthook = hook
 
 
 def free_port():

@@ -451,32 +451,48 @@ def test_a_rendezvous_still_waiting_says_so_once_and_a_quick_one_says_nothing(mo
                                        "rank that stopped before this point said why in its machine's log)\n")
 
 
-def test_a_rank_that_stops_before_meeting_waits_until_every_rank_has_read_its_line(monkeypatch, capsys):
-    # [Note: a rank that stops before the ranks meet], with torchrun's store stood in for: rank 2 of 3 stops; it stays
-    # until ranks 0 and 1 have read its line (node 0's store would end with node 0's ranks), and a later stop's line
-    # does not replace the first one's
+def test_a_rank_that_stops_on_its_own_waits_until_every_rank_has_read_its_line_and_the_first_line_stays(monkeypatch,
+                                                                                                         capsys):
+    # [Note: a rank that stops on its own], torchrun's store stood in for, 3 ranks. Attempt 1: rank 2 stops before the
+    # ranks meet; it stays until ranks 0 and 1 have read its line (node 0's store ends with node 0's ranks); rank 0,
+    # waiting at the rendezvous, reads it; rank 1 raises after it and learns that rank 2 stopped first. Attempt 2 (its
+    # own keys): rank 1 raises mid-run, and rank 0's watcher, its ranks met, reads that line
     server = torch.distributed.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)
     for key, value in dict(TORCHELASTIC_USE_AGENT_STORE='True', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(server.port),
                            WORLD_SIZE='3', RANK='2', LOCAL_RANK='0', TORCHELASTIC_RESTART_COUNT='1').items():
         monkeypatch.setenv(key, value)
-    store, exits, met = torch.distributed.PrefixStore('nanozero/attempt1', server), [], threading.Event()
-    monkeypatch.setattr(comm.os, '_exit', lambda code: exits.append(code) or met.set())  # ends the listener's loop
-    stopper = threading.Thread(target=comm.stop_before_meeting, args=('config error: x',))
+    exits = []
+    monkeypatch.setattr(comm, 'ENDED', threading.Event())  # set by the stand-in of os._exit: the watcher's loop ends
+    monkeypatch.setattr(comm.os, '_exit', lambda code: exits.append(code) or comm.ENDED.set())
+    host, store = socket.gethostname(), torch.distributed.PrefixStore('nanozero/attempt1', server)
+    stopper = threading.Thread(target=comm.tell_the_others, args=('config error: x', True))
     stopper.start()
     store.wait(['stopped'])
-    line = f"rank 2 ({socket.gethostname()}) stopped before the ranks met: config error: x"
+    line = f"rank 2 ({host}) stopped before the ranks met: config error: x"
     assert store.get('stopped').decode() == line
     time.sleep(0.5)
     assert stopper.is_alive() and exits == []  # nobody has read it yet
-    listener = threading.Thread(target=comm.wait_beside, args=(0, 3, met, 30.0))  # rank 0, at the rendezvous
-    listener.start()
-    listener.join(timeout=10)
+    watcher = threading.Thread(target=comm.watch_the_others, args=(0, 3, threading.Event(), 30.0))  # at the rendezvous
+    watcher.start()
+    watcher.join(timeout=10)
     assert exits == [1] and capsys.readouterr().err == f"rank 0: stopping: {line}\n"
     assert stopper.is_alive() and store.add('gone', 0) == 2  # rank 2 stopped, rank 0 read it, rank 1 has not
     monkeypatch.setenv('RANK', '1')
-    comm.stop_before_meeting('config error: y')  # rank 1 stops too: every rank has read it or stopped
+    assert comm.tell_the_others('RuntimeError: y') == line  # rank 1 raises: rank 2 was first, its line stays
     stopper.join(timeout=2)  # (its linger is 5 s)
     assert not stopper.is_alive() and store.get('stopped').decode() == line
+
+    monkeypatch.setenv('TORCHELASTIC_RESTART_COUNT', '2')
+    monkeypatch.setattr(comm, 'ENDED', threading.Event())
+    met = threading.Event()
+    met.set()
+    watcher = threading.Thread(target=comm.watch_the_others, args=(0, 3, met, 30.0))  # rank 0 mid-run
+    watcher.start()
+    time.sleep(1.5)
+    assert watcher.is_alive() and exits == [1]  # nothing to read: it watches on
+    assert comm.tell_the_others('RuntimeError: z', linger=0.0) is None  # rank 1 raises, the first to stop
+    watcher.join(timeout=10)
+    assert exits == [1, 1] and capsys.readouterr().err == f"rank 0: stopping: rank 1 ({host}) stopped: RuntimeError: z\n"
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
@@ -1028,7 +1044,7 @@ def test_two_nodes_started_with_different_overrides_stop_at_the_start_in_one_lin
 
 
 def test_a_machine_that_stops_before_the_ranks_meet_stops_the_other_machines_at_once(tmp_path):
-    # [Note: a rank that stops before the ranks meet] (comm.py): one node started with a mistake of its own. Before, its
+    # [Note: a rank that stops on its own] (comm.py): one node started with a mistake of its own. Before, its
     # rank said why and stopped, and the other node's waited at the rendezvous for torch's timeout (30 min for gloo).
     # Now the other node stops too, with that line. Node 1's mistake; and node 0's, whose torchrun holds the store
     args = ['train.py', 'config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32',
@@ -1044,6 +1060,38 @@ def test_a_machine_that_stops_before_the_ranks_meet_stops_the_other_machines_at_
         assert outs[bad][1].startswith(f"rank {bad}: " * bad + said), outs[bad][1][-3000:]
         assert outs[good][1].startswith(f"rank {good}: stopping: rank {bad} ({host}) stopped before the ranks met: "
                                         + said), outs[good][1][-3000:]
+
+
+RAISING_RUN = """
+import os, runpy, sys
+sys.path.insert(0, os.getcwd())  # (this file is not in the checkout)
+import model
+forward, calls = model.GPT.forward, []
+def raising(self, *args, **kwargs):  # this rank's 8th forward raises, as a CUDA out-of-memory would
+    calls.append(1)
+    if len(calls) == 8:
+        raise RuntimeError('CUDA out of memory (a stand-in)')
+    return forward(self, *args, **kwargs)
+model.GPT.forward = raising
+sys.argv = ['train.py', *sys.argv[1:]]
+runpy.run_path(os.path.abspath('train.py'), run_name='__main__')  # (as torchrun runs it: the same code)
+"""
+
+
+def test_a_rank_that_raises_mid_run_stops_the_other_machines_with_its_line(tmp_path):
+    # [Note: a rank that stops on its own], mid-run: node 1's rank raises at its 8th forward (iteration 3). Before, node
+    # 0's rank died on gloo's "Connection closed by peer" with a traceback of its own, not the cause (and under NCCL
+    # it would have waited in its collective for 10 min). Now it stops with node 1's line; node 1 shows its traceback
+    (tmp_path / 'raising.py').write_text(RAISING_RUN)
+    args = ['config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16',
+            '--batch_size=2', '--eval_iters=1', '--eval_interval=100', '--gradient_accumulation_steps=4',
+            '--log_interval=1', '--max_iters=50', f'--out_dir={tmp_path}/out']
+    codes, outs = two_nodes([['train.py', *args], [str(tmp_path / 'raising.py'), *args]])
+    assert codes == [1, 1] and 'iter 2:' in outs[0][0] and 'iter 4:' not in outs[0][0], outs
+    line = f"rank 1 ({socket.gethostname()}) stopped: RuntimeError: CUDA out of memory (a stand-in)"
+    assert outs[0][1].startswith(f"rank 0: stopping: {line}"), outs[0][1][-3000:]
+    assert 'Traceback' not in outs[0][1].split('failed (exitcode: 1)')[0]  # (torchrun's own report follows)
+    assert 'RuntimeError: CUDA out of memory (a stand-in)' in outs[1][1]  # its traceback, as before
 
 
 def test_two_nodes_whose_out_dirs_differ_stop_at_the_start_in_one_line(tmp_path):

@@ -211,7 +211,7 @@ def prepare_data(cfg, rank, device):
     """Shakespeare (GPT-2 tokens or characters) is prepared on first use: by rank 0, then by each other machine's first
     rank where it is still not there (each machine's own data/, not one shared by all); the others wait. One that
     fails (offline, a disk full) stops every rank, not only its own: its machine's first rank says why."""
-    for turn in (rank == 0, rank > 0 and os.environ.get('LOCAL_RANK', '0') == '0'):
+    for turn in (rank == 0, rank > 0 and comm.first_on_machine()):
         why = ''
         if turn and cfg['dataset'] in PREPARED_ON_FIRST_USE and not os.path.exists(os.path.join(data_dir(cfg), 'meta.json')):
             try:  # (meta.json is written last)
@@ -304,8 +304,7 @@ def compile_model(model, engine):
 
 def config_error(e, rank, met=True):  # sys.exit's: one line from rank 0 (every rank meets it), from a rank a file was
     # Unreadable to, or from each machine's first rank for a MachineError or an error before the ranks met (met=False)
-    first = os.environ.get('LOCAL_RANK', '0') == '0' or 'LOCAL_WORLD_SIZE' not in os.environ
-    says = rank == 0 or isinstance(e, resume.Unreadable) or ((isinstance(e, comm.MachineError) or not met) and first)
+    says = rank == 0 or isinstance(e, resume.Unreadable) or (isinstance(e, comm.MachineError) or not met) and comm.first_on_machine()
     return f"{f'rank {rank}: ' * (rank > 0)}config error: {e}" if says else 1
 
 
@@ -428,6 +427,7 @@ def main(cfg):
 if __name__ == '__main__':
     if {'-h', '--help'} & set(sys.argv[1:]):  # how to run (the keys and their defaults: the top of this file)
         sys.exit(print(__doc__.strip(), *(f'  --{k}={v!r}' for k, v in DEFAULTS.items()), sep='\n'))
+    comm.tell_on_a_crash()  # from here on, an exception no rank catches stops the other machines' ranks too
     try:
         config = parse_config(sys.argv[1:])
         check_config(config, comm.launched_world_size())
@@ -435,7 +435,7 @@ if __name__ == '__main__':
         if os.environ.get('RANK', '0') == '0' and os.path.exists(os.path.join(data_dir(config), 'meta.json')):
             resume.find_resume(config, model_args(config, vocab_size(config)))  # one line; the others: after check_shared
     except ValueError as e:  # one line, once a machine (torchrun starts its ranks with the same mistake), exit code 1
-        comm.stop_before_meeting(f'config error: {e}')  # the other machines' ranks stop too, not wait at the rendezvous
+        comm.tell_the_others(f'config error: {e}', before_meeting=True)  # the other machines' ranks stop with it
         sys.exit(config_error(e, int(os.environ.get('RANK', 0)), met=False))
     try:
         main(config)
