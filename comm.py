@@ -303,8 +303,8 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
 # ("Connection closed by peer"), not the cause. So a rank that stops on its own leaves its line in torchrun's store
 # (node 0's torchrun holds it; only the first rank's line is kept), and every rank watches the store beside its work
 # (watch_the_others) and, finding a line, stops with it; a rank that raises after it says that line, not its own
-# traceback. The rank that stopped waits (up to `linger` s) until every rank has read the line or stopped too: node 0's
-# store ends with node 0's ranks.
+# traceback. The rank that stopped waits (a few seconds at most) until every rank has read the line or stopped too:
+# node 0's store ends with node 0's ranks.
 ENDED = threading.Event()  # set at exit: the watcher stops before Python does
 
 
@@ -320,9 +320,12 @@ def agent_store(timeout):
     return dist.PrefixStore(f"nanozero/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def tell_the_others(line, before_meeting=False, linger=5.0):
+def tell_the_others(line, before_meeting=False, linger=None):
     """A rank that stops on its own leaves its line for the others to stop with; returns the line of the rank that
-    stopped first if that was another (this rank's stop may follow from it), else None."""
+    stopped first if that was another (this rank's stop may follow from it), else None. It waits for the others to
+    read it up to `linger` s: 5 before the ranks meet (some may be slow to reach the rendezvous), else 2 (a run's
+    watchers look each second; a rank killed by a signal never reads it)."""
+    linger = (5.0 if before_meeting else 2.0) if linger is None else linger
     if (store := agent_store(5.0)) is None:
         return None
     mine = f"rank {os.environ['RANK']} ({socket.gethostname()}) stopped{' before the ranks met' * before_meeting}: {line}"
@@ -372,7 +375,8 @@ def tell_on_a_crash():
         first = tell_the_others(f"{kind.__name__}: {said}", before_meeting=not dist.is_initialized())
         if first is None:
             return shown(kind, e, tb)
-        print(f"rank {os.environ['RANK']}: stopping: {first} (then here: {kind.__name__})", file=sys.stderr, flush=True)
+        print(f"rank {os.environ['RANK']}: stopping: {first} (then here: {kind.__name__})", file=sys.__stderr__,
+              flush=True)  # (not sys.stderr: torch's own hook, around this one, prefixes each line with [rankN])
     sys.excepthook = hook
 
 

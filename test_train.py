@@ -452,18 +452,21 @@ def test_a_rendezvous_still_waiting_says_so_once_and_a_quick_one_says_nothing(mo
 
 
 def test_a_rank_that_stops_on_its_own_waits_until_every_rank_has_read_its_line_and_the_first_line_stays(monkeypatch,
-                                                                                                         capsys):
+                                                                                                         capfd):
     # [Note: a rank that stops on its own], torchrun's store stood in for, 3 ranks. Attempt 1: rank 2 stops before the
     # ranks meet; it stays until ranks 0 and 1 have read its line (node 0's store ends with node 0's ranks); rank 0,
-    # waiting at the rendezvous, reads it; rank 1 raises after it and learns that rank 2 stopped first. Attempt 2 (its
-    # own keys): rank 1 raises mid-run, and rank 0's watcher, its ranks met, reads that line
+    # waiting at the rendezvous, reads it; rank 1 raises after it, and its excepthook says rank 2's line, not a
+    # traceback. Attempt 2 (keys of its own): rank 1 raises mid-run, the first: its hook shows the traceback as ever,
+    # and rank 0's watcher, its ranks met, reads its line
     server = torch.distributed.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)
     for key, value in dict(TORCHELASTIC_USE_AGENT_STORE='True', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(server.port),
                            WORLD_SIZE='3', RANK='2', LOCAL_RANK='0', TORCHELASTIC_RESTART_COUNT='1').items():
         monkeypatch.setenv(key, value)
-    exits = []
+    exits, shown = [], []
     monkeypatch.setattr(comm, 'ENDED', threading.Event())  # set by the stand-in of os._exit: the watcher's loop ends
     monkeypatch.setattr(comm.os, '_exit', lambda code: exits.append(code) or comm.ENDED.set())
+    monkeypatch.setattr(sys, 'excepthook', lambda kind, e, tb: shown.append(kind))  # the hook before ours
+    comm.tell_on_a_crash()
     host, store = socket.gethostname(), torch.distributed.PrefixStore('nanozero/attempt1', server)
     stopper = threading.Thread(target=comm.tell_the_others, args=('config error: x', True))
     stopper.start()
@@ -475,24 +478,27 @@ def test_a_rank_that_stops_on_its_own_waits_until_every_rank_has_read_its_line_a
     watcher = threading.Thread(target=comm.watch_the_others, args=(0, 3, threading.Event(), 30.0))  # at the rendezvous
     watcher.start()
     watcher.join(timeout=10)
-    assert exits == [1] and capsys.readouterr().err == f"rank 0: stopping: {line}\n"
+    assert exits == [1] and capfd.readouterr().err == f"rank 0: stopping: {line}\n"
     assert stopper.is_alive() and store.add('gone', 0) == 2  # rank 2 stopped, rank 0 read it, rank 1 has not
     monkeypatch.setenv('RANK', '1')
-    assert comm.tell_the_others('RuntimeError: y') == line  # rank 1 raises: rank 2 was first, its line stays
+    sys.excepthook(RuntimeError, RuntimeError('y'), None)  # rank 1 raises: rank 2 was first, its line stays
+    assert capfd.readouterr().err == f"rank 1: stopping: {line} (then here: RuntimeError)\n" and shown == []
     stopper.join(timeout=2)  # (its linger is 5 s)
     assert not stopper.is_alive() and store.get('stopped').decode() == line
 
     monkeypatch.setenv('TORCHELASTIC_RESTART_COUNT', '2')
     monkeypatch.setattr(comm, 'ENDED', threading.Event())
+    monkeypatch.setattr(comm.dist, 'is_initialized', lambda: True)  # the ranks met
     met = threading.Event()
     met.set()
     watcher = threading.Thread(target=comm.watch_the_others, args=(0, 3, met, 30.0))  # rank 0 mid-run
     watcher.start()
     time.sleep(1.5)
     assert watcher.is_alive() and exits == [1]  # nothing to read: it watches on
-    assert comm.tell_the_others('RuntimeError: z', linger=0.0) is None  # rank 1 raises, the first to stop
+    sys.excepthook(RuntimeError, RuntimeError('CUDA out of memory\nmore'), None)  # rank 1 raises, the first to stop
     watcher.join(timeout=10)
-    assert exits == [1, 1] and capsys.readouterr().err == f"rank 0: stopping: rank 1 ({host}) stopped: RuntimeError: z\n"
+    assert shown == [RuntimeError] and exits == [1, 1]
+    assert capfd.readouterr().err == f"rank 0: stopping: rank 1 ({host}) stopped: RuntimeError: CUDA out of memory\n"
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
