@@ -273,7 +273,7 @@ def gpu_problems(device, gpus):
 def start_process_group(device_name, backend='', quiet_for=30.0):
     """Under torchrun: one process per rank, its device, its backend ('' = nccl on GPUs, gloo on CPUs). Without
     torchrun: world size 1 (a 1-rank process group, so every stage runs the same code). Returns (device, rank,
-    world size). Beside it, from the rendezvous to the end, watch_the_others ([Note: a rank that stops on its own])."""
+    world size). Beside it, from the rendezvous to the end, Stops.watch ([Note: a rank that stops on its own])."""
     launched = 'RANK' in os.environ
     if not launched:  # a port the OS says is free: two runs alone on one machine must not meet at one
         os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()))
@@ -283,10 +283,10 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
         torch.cuda.set_device(device)
     backend = backend or ('nccl' if device.type == 'cuda' else 'gloo')
     rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
-    met = threading.Event()
-    watcher = threading.Thread(target=watch_the_others, args=(rank, world_size, met, quiet_for), daemon=True)
+    met, stops = threading.Event(), Stops()
+    watcher = threading.Thread(target=stops.watch, args=(met, quiet_for), daemon=True)
     watcher.start()
-    atexit.register(lambda: ENDED.set() or watcher.join(timeout=10))
+    atexit.register(end_watch, stops, watcher)
     try:
         dist.init_process_group(backend=backend, device_id=device if backend == 'nccl' else None,
                                 store=restart_store(), rank=rank, world_size=world_size)
@@ -300,84 +300,120 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
 # rendezvous, for a rank that stopped before it (its machine's config mistake, a dataset it lacks), until torch's timeout
 # (30 min for gloo); mid-run, under NCCL, in their next collective until its timeout (10 min), for a rank that raised
 # (a CUDA out-of-memory on one GPU). gloo notices a peer gone at once, but each rank then prints a traceback of its own
-# ("Connection closed by peer"), not the cause. So a rank that stops on its own leaves its line in torchrun's store
-# (node 0's torchrun holds it; only the first rank's line is kept), and every rank watches the store beside its work
-# (watch_the_others) and, finding a line, stops with it; a rank that raises after it says that line, not its own
-# traceback. The rank that stopped waits (a few seconds at most) until every rank has read the line or stopped too:
-# node 0's store ends with node 0's ranks.
-ENDED = threading.Event()  # set at exit: the watcher stops before Python does
+# ("Connection closed by peer"), not the cause. So a rank that stops on its own says why as ever, and leaves its line
+# in torchrun's store (key 'stopped': the first rank to stop keeps it). Each rank watches the store, once a second
+# (twice before the ranks meet), beside its work: finding another machine's line, it marks it read ('read/<rank>')
+# and stops with it; a line of its own machine's it only marks read (its torchrun ends it). A rank that raises after
+# the line is there says that line, not its traceback. At its exit the rank that stopped waits (up to 2 s; 10 before
+# the ranks meet, where some may be slow to arrive) until every rank has read it: node 0's torchrun holds the store,
+# and ends, store and all, once node 0's ranks have. Under torchrun only (its store; the static rendezvous of
+# --master_addr, or --standalone: the keys of a restart carry its count, which every machine's torchrun counts alike
+# only when all of them restart together). Costs a connection and a request a second per rank at node 0's store.
+class Stops:
+    """This rank's side of [Note: a rank that stops on its own]: tell (it stops) and watch (for another's line)."""
 
-
-def agent_store(timeout):
-    """torchrun's own store (its agent's, on node 0), under this attempt's prefix; None when there is none."""
-    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or launched_world_size() == 1:
-        return None
-    try:
-        store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError:  # unreachable: nobody to tell, nobody to hear
-        return None
-    return dist.PrefixStore(f"nanozero/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
-def tell_the_others(line, before_meeting=False, linger=None):
-    """A rank that stops on its own leaves its line for the others to stop with; returns the line of the rank that
-    stopped first if that was another (this rank's stop may follow from it), else None. It waits for the others to
-    read it up to `linger` s: 5 before the ranks meet (some may be slow to reach the rendezvous), else 2 (a run's
-    watchers look each second; a rank killed by a signal never reads it)."""
-    linger = (5.0 if before_meeting else 2.0) if linger is None else linger
-    if (store := agent_store(5.0)) is None:
-        return None
-    mine = f"rank {os.environ['RANK']} ({socket.gethostname()}) stopped{' before the ranks met' * before_meeting}: {line}"
-    first = store.compare_set('stopped', '', mine).decode()
-    store.add('gone', 1)
-    end = time.monotonic() + linger
-    while store.add('gone', 0) < launched_world_size() and time.monotonic() < end:
-        time.sleep(0.05)
-    return None if first == mine else first
-
-
-def watch_the_others(rank, world_size, met, quiet_for):
-    """Beside a rank from its rendezvous to its end: stops it when another rank stopped on its own; while it waits at
-    the rendezvous (until `met` is set), says after quiet_for seconds what for (e.g. RANK and WORLD_SIZE set by hand,
-    the other ranks never started), once a machine: a wait is never silent."""
-    first, store, since, said = first_on_machine(), agent_store(5.0), time.monotonic(), False
-    while not (store is None and met.is_set()) and not ENDED.wait(1.0 if met.is_set() else min(0.5, quiet_for)):
+    def __init__(self, timeout=5.0):
+        self.rank, self.world_size = int(os.environ.get('RANK', 0)), launched_world_size()
+        self.node, self.store, self.lost = os.environ.get('GROUP_RANK', '0'), None, False
+        self.ended = threading.Event()  # set at exit: the watcher stops before Python does
+        if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or self.world_size == 1:
+            return
         try:
-            line = store.get('stopped').decode() if store is not None and store.check(['stopped']) else None
-            line = None if line is None or line.startswith(f"rank {rank} (") else line  # its own: it says it
-            line is None or store.add('gone', 1)
-        except RuntimeError:  # node 0's torchrun (and its store) ended: its own log says why
-            store = line = None
-        if line is not None:
-            if first:
-                print(f"rank {rank}: stopping: {line}", file=sys.stderr, flush=True)
-            sys.stdout.flush()  # (os._exit flushes nothing: the log's last lines)
-            os._exit(1)
-        if first and not said and not met.is_set() and time.monotonic() - since >= quiet_for:
-            said = True
-            print(f"rank {rank}: still waiting for the other {world_size - 1} rank(s) at {os.environ.get('MASTER_ADDR')}:"
-                  f"{os.environ.get('MASTER_PORT')} after {quiet_for:g} s: are they started, with the same WORLD_SIZE and "
-                  "MASTER_ADDR:MASTER_PORT? (a rank that stopped before this point said why in its machine's log)",
-                  file=sys.stderr, flush=True)
+            store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout))
+            self.store = dist.PrefixStore(f"nanozero/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        except RuntimeError:  # unreachable (node 0's torchrun ended): nobody to tell, nobody to hear
+            self.lost = True
+
+    def tell(self, line, before_meeting=False):
+        """Leaves this rank's line for the others (after it has said why itself); returns the line of the rank that
+        stopped first if that was another (this rank's stop may follow from it), else None."""
+        if self.store is None:
+            return None
+        mine = (f"rank {self.rank} on node {self.node} ({socket.gethostname()}) stopped"
+                f"{' before the ranks met' * before_meeting}: {line}")
+        try:
+            first = self.store.compare_set('stopped', '', mine).decode()
+            self.store.set(f'read/{self.rank}', '1')
+        except RuntimeError:  # the store went with node 0's torchrun: its ranks have ended
+            return None
+        atexit.register(self.wait_until_read, 10.0 if before_meeting else 2.0)
+        return None if first == mine else first
+
+    def wait_until_read(self, linger):
+        keys, end = [f'read/{r}' for r in range(self.world_size)], time.monotonic() + linger
+        try:
+            while not self.store.check(keys) and time.monotonic() < end:
+                time.sleep(0.05)
+        except RuntimeError:
+            pass
+
+    def watch(self, met, quiet_for):
+        """Beside a rank from its rendezvous to its end: stops it when another machine's rank stopped on its own;
+        while it waits at the rendezvous (until `met` is set), says after quiet_for seconds what for (e.g. RANK and
+        WORLD_SIZE set by hand, the other ranks never started), once a machine: a wait is never silent."""
+        says, since, told = first_on_machine(), time.monotonic(), False
+        theirs, read_at = None, None  # the line it stops with, and when it read a line
+        while not self.ended.wait(1.0 if met.is_set() else min(0.5, quiet_for)):
+            if self.lost and not met.is_set() and theirs is None:  # the rendezvous cannot happen
+                theirs, read_at = (f"torchrun's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} is gone "
+                                   "before the ranks met: node 0's torchrun ended (its log says why)"), time.monotonic()
+            elif self.store is not None and read_at is None and (line := self.line()) is not None:
+                read_at = self.mark_read()
+                if not line.split(' (', 1)[0].endswith(f' on node {self.node}'):  # "rank R on node N (host) ..."
+                    theirs = line  # (its own machine's line: its torchrun ends it)
+            if theirs is not None and (says or time.monotonic() - read_at > 5):  # the machine's first rank says it,
+                self.stop(theirs, says)  # then its torchrun ends the others (theirs alone would end it unsaid)
+            if says and not told and not met.is_set() and time.monotonic() - since >= quiet_for:
+                told = True
+                print(f"rank {self.rank}: still waiting for the other {self.world_size - 1} rank(s) at "
+                      f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} after {quiet_for:g} s: are they "
+                      "started, with the same WORLD_SIZE and MASTER_ADDR:MASTER_PORT? (a rank that stopped before this "
+                      "point said why in its machine's log)", file=sys.__stderr__, flush=True)
+
+    def line(self):
+        try:
+            return self.store.get('stopped').decode() if self.store.check(['stopped']) else None
+        except RuntimeError:  # node 0's torchrun ended
+            self.store, self.lost = None, True
+            return None
+
+    def mark_read(self):
+        with contextlib.suppress(RuntimeError):
+            self.store.set(f'read/{self.rank}', '1')
+        return time.monotonic()
+
+    def stop(self, line, says):
+        if says:  # (not sys.stderr: inside an excepthook torch's own, around it, holds sys.stderr in a buffer)
+            print(f"rank {self.rank}: stopping: {line}", file=sys.__stderr__, flush=True)
+        sys.stdout.flush()  # os._exit flushes nothing: the log's last lines
+        os._exit(1)
 
 
 def tell_on_a_crash():
-    """sys.excepthook for a run's ranks (under torchrun, across ranks): an exception no one caught is told to the
+    """sys.excepthook for a run's ranks (under torchrun, across ranks): an exception nothing caught is told to the
     others, and if another rank stopped first, said as that rank's stop in one line (this one's most likely follows
-    from it: gloo's peer gone), not a traceback."""
+    from it: gloo's peer gone), not a traceback. Install it before the process group: torch's own, which prefixes
+    [rankN] to each line, then goes around it."""
     if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or launched_world_size() == 1:
         return
-    shown = sys.excepthook
+    previous_hook = sys.excepthook
 
     def hook(kind, e, tb):
-        said = str(e).strip().splitlines()[0] if str(e).strip() else ''
-        first = tell_the_others(f"{kind.__name__}: {said}", before_meeting=not dist.is_initialized())
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ''
+        first = Stops().tell(f"{kind.__name__}: {message}", before_meeting=not dist.is_initialized())
         if first is None:
-            return shown(kind, e, tb)
+            return previous_hook(kind, e, tb)
         print(f"rank {os.environ['RANK']}: stopping: {first} (then here: {kind.__name__})", file=sys.__stderr__,
-              flush=True)  # (not sys.stderr: torch's own hook, around this one, prefixes each line with [rankN])
+              flush=True)
     sys.excepthook = hook
+
+
+def end_watch(stops, watcher):
+    """At exit: the watcher ends before Python does (its store calls time out in 5 s), never inside a store call as
+    Python finalizes ([Note: the end of a run])."""
+    stops.ended.set()
+    watcher.join(timeout=10)
 
 
 def free_port():

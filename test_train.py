@@ -25,6 +25,7 @@ import types
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 import bench_train
 import bench_zero
@@ -436,7 +437,7 @@ print(train.DEFAULTS['dtype'])
     assert out.stdout.split() == ['float32'], out.stderr[-2000:]
 
 
-def test_a_rendezvous_still_waiting_says_so_once_and_a_quick_one_says_nothing(monkeypatch, capsys):
+def test_a_rendezvous_still_waiting_says_so_once_and_a_quick_one_says_nothing(monkeypatch, capfd):
     # RANK and WORLD_SIZE set by hand, no other rank started: before, train.py printed nothing and waited for good
     monkeypatch.setattr(comm.dist, 'init_process_group', lambda **kw: time.sleep(kw['world_size'] * 0.1))
     monkeypatch.setattr(comm.dist, 'get_rank', lambda: 0)
@@ -446,59 +447,81 @@ def test_a_rendezvous_still_waiting_says_so_once_and_a_quick_one_says_nothing(mo
     for world_size, quiet_for in (('1', 5.0), ('4', 0.1)):  # the init takes 0.1 s, then 0.4 s
         monkeypatch.setenv('WORLD_SIZE', world_size)
         comm.start_process_group('cpu', '', quiet_for=quiet_for)
-    assert capsys.readouterr().err == ("rank 0: still waiting for the other 3 rank(s) at 10.0.0.7:29777 after 0.1 s: "
+    assert capfd.readouterr().err == ("rank 0: still waiting for the other 3 rank(s) at 10.0.0.7:29777 after 0.1 s: "
                                        "are they started, with the same WORLD_SIZE and MASTER_ADDR:MASTER_PORT? (a "
                                        "rank that stopped before this point said why in its machine's log)\n")
 
 
-def test_a_rank_that_stops_on_its_own_waits_until_every_rank_has_read_its_line_and_the_first_line_stays(monkeypatch,
-                                                                                                         capfd):
-    # [Note: a rank that stops on its own], torchrun's store stood in for, 3 ranks. Attempt 1: rank 2 stops before the
-    # ranks meet; it stays until ranks 0 and 1 have read its line (node 0's store ends with node 0's ranks); rank 0,
-    # waiting at the rendezvous, reads it; rank 1 raises after it, and its excepthook says rank 2's line, not a
-    # traceback. Attempt 2 (keys of its own): rank 1 raises mid-run, the first: its hook shows the traceback as ever,
-    # and rank 0's watcher, its ranks met, reads its line
-    server = torch.distributed.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)
-    for key, value in dict(TORCHELASTIC_USE_AGENT_STORE='True', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(server.port),
-                           WORLD_SIZE='3', RANK='2', LOCAL_RANK='0', TORCHELASTIC_RESTART_COUNT='1').items():
+def test_a_rank_that_stops_on_its_own_is_read_by_every_rank_and_the_first_line_stays(monkeypatch, capfd):
+    # [Note: a rank that stops on its own], torchrun's store stood in for: 4 ranks, 2 a node. Attempt 1: rank 3 (node
+    # 1) stops before the ranks meet and waits, at its exit, until every rank has read its line (node 0's store ends
+    # with node 0's ranks); rank 0, at the rendezvous, reads it and stops; rank 2 (node 1) marks it read and leaves
+    # the stopping to its torchrun; rank 1 raises after it, and its excepthook, inside torch's, says rank 3's line
+    # and not its traceback. Attempt 2 (keys of its own): rank 1 raises mid-run, the first to stop: its traceback as
+    # ever; rank 3's watcher, on the other node, reads the line and leaves it to rank 2, that node's first, which
+    # stops with it
+    server = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)
+    env = dict(TORCHELASTIC_USE_AGENT_STORE='True', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(server.port),
+               WORLD_SIZE='4', LOCAL_WORLD_SIZE='2', TORCHELASTIC_RESTART_COUNT='1')
+    for key, value in env.items():
         monkeypatch.setenv(key, value)
-    exits, shown = [], []
-    monkeypatch.setattr(comm, 'ENDED', threading.Event())  # set by the stand-in of os._exit: the watcher's loop ends
-    monkeypatch.setattr(comm.os, '_exit', lambda code: exits.append(code) or comm.ENDED.set())
+    exits, shown, at_exit = [], [], []
+    monkeypatch.setattr(comm.os, '_exit', exits.append)  # (the watcher's loop goes on, until its `ended`)
+    monkeypatch.setattr(comm.atexit, 'register', lambda *call: at_exit.append(call))
     monkeypatch.setattr(sys, 'excepthook', lambda kind, e, tb: shown.append(kind))  # the hook before ours
-    comm.tell_on_a_crash()
-    host, store = socket.gethostname(), torch.distributed.PrefixStore('nanozero/attempt1', server)
-    stopper = threading.Thread(target=comm.tell_the_others, args=('config error: x', True))
-    stopper.start()
-    store.wait(['stopped'])
-    line = f"rank 2 ({host}) stopped before the ranks met: config error: x"
-    assert store.get('stopped').decode() == line
+
+    def as_rank(rank):  # this process as that rank of the job
+        for key, value in dict(RANK=rank, LOCAL_RANK=rank % 2, GROUP_RANK=rank // 2).items():
+            monkeypatch.setenv(key, str(value))
+        return comm.Stops()
+
+    def watch(rank, met, until):  # rank's watcher, ended once until() holds (10 s at most)
+        stops = as_rank(rank)
+        watcher = threading.Thread(target=stops.watch, args=(met, 30.0))
+        watcher.start()
+        end = time.monotonic() + 10
+        while not until() and time.monotonic() < end:
+            time.sleep(0.05)
+        stops.ended.set()
+        watcher.join()
+
+    host, store = socket.gethostname(), dist.PrefixStore('nanozero/attempt1', server)
+    assert as_rank(3).tell('config error: x', before_meeting=True) is None
+    line = f"rank 3 on node 1 ({host}) stopped before the ranks met: config error: x"
+    assert store.get('stopped').decode() == line and len(at_exit) == 1
+    waits = threading.Thread(target=at_exit.pop()[0], args=(10.0,))  # rank 3 at its exit
+    waits.start()
     time.sleep(0.5)
-    assert stopper.is_alive() and exits == []  # nobody has read it yet
-    watcher = threading.Thread(target=comm.watch_the_others, args=(0, 3, threading.Event(), 30.0))  # at the rendezvous
-    watcher.start()
-    watcher.join(timeout=10)
-    assert exits == [1] and capfd.readouterr().err == f"rank 0: stopping: {line}\n"
-    assert stopper.is_alive() and store.add('gone', 0) == 2  # rank 2 stopped, rank 0 read it, rank 1 has not
-    monkeypatch.setenv('RANK', '1')
-    sys.excepthook(RuntimeError, RuntimeError('y'), None)  # rank 1 raises: rank 2 was first, its line stays
+    assert waits.is_alive()  # nobody has read it yet
+    watch(0, threading.Event(), until=lambda: exits)  # at the rendezvous
+    watch(2, threading.Event(), until=lambda: store.check(['read/2']))
+    assert exits == [1] and capfd.readouterr().err == f"rank 0: stopping: {line}\n"  # rank 2: its torchrun's to end
+    assert waits.is_alive() and store.check(['read/0', 'read/2', 'read/3']) and not store.check(['read/1'])
+    as_rank(1)
+    comm.tell_on_a_crash()
+    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)  # torch's hook goes around ours
+    try:
+        sys.excepthook(RuntimeError, RuntimeError('y'), None)  # rank 1 raises: rank 3 was first, its line stays
+    finally:
+        dist.destroy_process_group()
     assert capfd.readouterr().err == f"rank 1: stopping: {line} (then here: RuntimeError)\n" and shown == []
-    stopper.join(timeout=2)  # (its linger is 5 s)
-    assert not stopper.is_alive() and store.get('stopped').decode() == line
+    waits.join(timeout=2)  # every rank has read it
+    assert not waits.is_alive() and store.get('stopped').decode() == line
 
     monkeypatch.setenv('TORCHELASTIC_RESTART_COUNT', '2')
-    monkeypatch.setattr(comm, 'ENDED', threading.Event())
-    monkeypatch.setattr(comm.dist, 'is_initialized', lambda: True)  # the ranks met
     met = threading.Event()
     met.set()
-    watcher = threading.Thread(target=comm.watch_the_others, args=(0, 3, met, 30.0))  # rank 0 mid-run
-    watcher.start()
-    time.sleep(1.5)
-    assert watcher.is_alive() and exits == [1]  # nothing to read: it watches on
+    watch(2, met, until=lambda: time.sleep(1.2) or True)  # rank 2, mid-run
+    assert exits == [1]  # nothing to read: it watched on
+    as_rank(1)
+    monkeypatch.setattr(comm.dist, 'is_initialized', lambda: True)  # the ranks met
     sys.excepthook(RuntimeError, RuntimeError('CUDA out of memory\nmore'), None)  # rank 1 raises, the first to stop
-    watcher.join(timeout=10)
-    assert shown == [RuntimeError] and exits == [1, 1]
-    assert capfd.readouterr().err == f"rank 0: stopping: rank 1 ({host}) stopped: RuntimeError: CUDA out of memory\n"
+    store = dist.PrefixStore('nanozero/attempt2', server)
+    watch(3, met, until=lambda: store.check(['read/3']) and not time.sleep(0.5))  # node 1's second rank: it leaves
+    assert exits == [1]  # the line to its machine's first (its torchrun then ends it; 5 s later it stops unsaid)
+    watch(2, met, until=lambda: len(exits) == 2)
+    assert shown == [RuntimeError] and exits == [1, 1]  # its traceback (the hook before ours), and rank 2 stopped
+    assert capfd.readouterr().err == f"rank 2: stopping: rank 1 on node 0 ({host}) stopped: RuntimeError: CUDA out of memory\n"
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
@@ -1017,11 +1040,11 @@ def test_the_code_every_rank_compares_is_the_source_it_runs(tmp_path, monkeypatc
     monkeypatch.delitem(sys.modules, 'mod')
 
 
-def two_nodes(args, cwd=(None, None), timeout=180):
-    """Nodes 0 and 1 of one rank each, on this machine (torchrun's static rendezvous at 127.0.0.1), node n running
+def two_nodes(args, cwd=(None, None), timeout=180, nproc=1):
+    """Nodes 0 and 1 of nproc ranks each, on this machine (torchrun's static rendezvous at 127.0.0.1), node n running
     train.py with args[n] in cwd[n]: ([exit codes], [(stdout, stderr)])."""
     port = comm.free_port()
-    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node=1', '--nnodes=2',
+    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', '--nnodes=2',
                                f'--node_rank={n}', '--master_addr=127.0.0.1', f'--master_port={port}', *args[n]],
                               cwd=cwd[n], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True, env={**os.environ, 'OMP_NUM_THREADS': '1'}) for n in (0, 1)]
@@ -1064,7 +1087,7 @@ def test_a_machine_that_stops_before_the_ranks_meet_stops_the_other_machines_at_
         good = 1 - bad
         assert codes == [1, 1] and outs[0][0] == outs[1][0] == '', outs
         assert outs[bad][1].startswith(f"rank {bad}: " * bad + said), outs[bad][1][-3000:]
-        assert outs[good][1].startswith(f"rank {good}: stopping: rank {bad} ({host}) stopped before the ranks met: "
+        assert outs[good][1].startswith(f"rank {good}: stopping: rank {bad} on node {bad} ({host}) stopped before the ranks met: "
                                         + said), outs[good][1][-3000:]
 
 
@@ -1073,9 +1096,9 @@ import os, runpy, sys
 sys.path.insert(0, os.getcwd())  # (this file is not in the checkout)
 import model
 forward, calls = model.GPT.forward, []
-def raising(self, *args, **kwargs):  # this rank's 8th forward raises, as a CUDA out-of-memory would
+def raising(self, *args, **kwargs):  # rank 3's 6th forward raises, as a CUDA out-of-memory would
     calls.append(1)
-    if len(calls) == 8:
+    if len(calls) == 6 and os.environ['RANK'] == '3':
         raise RuntimeError('CUDA out of memory (a stand-in)')
     return forward(self, *args, **kwargs)
 model.GPT.forward = raising
@@ -1085,19 +1108,20 @@ runpy.run_path(os.path.abspath('train.py'), run_name='__main__')  # (as torchrun
 
 
 def test_a_rank_that_raises_mid_run_stops_the_other_machines_with_its_line(tmp_path):
-    # [Note: a rank that stops on its own], mid-run: node 1's rank raises at its 8th forward (iteration 3). Before, node
-    # 0's rank died on gloo's "Connection closed by peer" with a traceback of its own, not the cause (and under NCCL
-    # it would have waited in its collective for 10 min). Now it stops with node 1's line; node 1 shows its traceback
+    # [Note: a rank that stops on its own], mid-run: two nodes of two ranks; rank 3 (node 1's second) raises at its
+    # 6th forward (iteration 3). Before, node 0's ranks died on gloo's "Connection closed by peer", each with a
+    # traceback of its own, not the cause (under NCCL they would have waited in their collective for 10 min). Now
+    # node 0 stops with rank 3's line, and rank 3's traceback is in node 1's log (said before it waits to be read)
     (tmp_path / 'raising.py').write_text(RAISING_RUN)
     args = ['config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16',
             '--batch_size=2', '--eval_iters=1', '--eval_interval=100', '--gradient_accumulation_steps=4',
             '--log_interval=1', '--max_iters=50', f'--out_dir={tmp_path}/out']
-    codes, outs = two_nodes([['train.py', *args], [str(tmp_path / 'raising.py'), *args]])
+    codes, outs = two_nodes([['train.py', *args], [str(tmp_path / 'raising.py'), *args]], nproc=2)
     assert codes == [1, 1] and 'iter 2:' in outs[0][0] and 'iter 4:' not in outs[0][0], outs
-    line = f"rank 1 ({socket.gethostname()}) stopped: RuntimeError: CUDA out of memory (a stand-in)"
+    line = f"rank 3 on node 1 ({socket.gethostname()}) stopped: RuntimeError: CUDA out of memory (a stand-in)"
     assert outs[0][1].startswith(f"rank 0: stopping: {line}"), outs[0][1][-3000:]
     assert 'Traceback' not in outs[0][1].split('failed (exitcode: 1)')[0]  # (torchrun's own report follows)
-    assert 'RuntimeError: CUDA out of memory (a stand-in)' in outs[1][1]  # its traceback, as before
+    assert '[rank3]: RuntimeError: CUDA out of memory (a stand-in)' in outs[1][1], outs[1][1][-3000:]  # as ever
 
 
 def test_two_nodes_whose_out_dirs_differ_stop_at_the_start_in_one_line(tmp_path):

@@ -435,7 +435,7 @@ if __name__ == '__main__':
         if os.environ.get('RANK', '0') == '0' and os.path.exists(os.path.join(data_dir(config), 'meta.json')):
             resume.find_resume(config, model_args(config, vocab_size(config)))  # one line; the others: after check_shared
     except ValueError as e:  # one line, once a machine (torchrun starts its ranks with the same mistake), exit code 1
-        comm.tell_the_others(f'config error: {e}', before_meeting=True)  # the other machines' ranks stop with it
+        comm.Stops().tell(f'config error: {e}', before_meeting=True)  # the other machines' ranks stop with it
         sys.exit(config_error(e, int(os.environ.get('RANK', 0)), met=False))
     try:
         main(config)
