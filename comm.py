@@ -354,7 +354,7 @@ class Stops:
         WORLD_SIZE set by hand, the other ranks never started), once a machine: a wait is never silent."""
         says, since, told = first_on_machine(), time.monotonic(), False
         theirs, read_at = None, None  # the line it stops with, and when it read a line
-        while not self.ended.wait(1.0 if met.is_set() else min(0.5, quiet_for)):
+        while not (self.store is None and met.is_set()) and not self.ended.wait(1.0 if met.is_set() else min(0.5, quiet_for)):
             if self.lost and not met.is_set() and theirs is None:  # the rendezvous cannot happen
                 theirs, read_at = (f"torchrun's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} is gone "
                                    "before the ranks met: node 0's torchrun ended (its log says why)"), time.monotonic()
