@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import comm
+import launch
 
 SIZES = [2**k for k in range(10, 25, 2)]  # full-buffer elements, fp32: 4 KB .. 64 MB
 KINDS = ('all_gather', 'reduce_scatter', 'all_reduce')
@@ -72,7 +73,7 @@ def fit(points, world_size, kind='all_gather'):
 
 
 def bench_link(args):
-    if comm.launched_world_size() < 2:  # one rank has no link to time (the fit said "run again ..." after it)
+    if launch.launched_world_size() < 2:  # one rank has no link to time (the fit said "run again ..." after it)
         raise ValueError("needs at least 2 ranks: torchrun --standalone --nproc_per_node=2 bench.py link")
     dist.init_process_group('gloo')
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -99,4 +100,4 @@ def bench_link(args):
             print(f"{kind}: bandwidth {bw / 1e9:.3f} GB/s, latency {lat * 1e6:.1f} µs per ring step")
         print(f"--link {one.bandwidth / 1e9:.4g},{one.latency * 1e6:.4g}")
         print(f"--link {spec}")
-    comm.end_process_group(torch.device('cpu'))  # [Note: the end of a run]
+    launch.end_process_group(torch.device('cpu'))  # [Note: the end of a run]

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import comm
+import launch
 import memory
 import train
 import zero
@@ -269,8 +270,8 @@ def bench_zero(args):
     # in a function that binds `torch` as a local name, unbound wherever the import did not run.)
     if 'ddp+zero_redundancy' in args.kinds.split(','):
         from torch.distributed import optim  # noqa: F401
-    train.check_config(cfg, comm.launched_world_size())  # before the process group: device=tpu is one line
-    device, rank, world_size = comm.start_process_group(cfg['device'], cfg['backend'])
+    train.check_config(cfg, launch.launched_world_size())  # before the process group: device=tpu is one line
+    device, rank, world_size = launch.start_process_group(cfg['device'], cfg['backend'])
     kinds = args.kinds.split(',')
     if {k.split(':')[0] for k in kinds} - set(KINDS):
         raise ValueError(f"unknown kinds {sorted({k.split(':')[0] for k in kinds} - set(KINDS))}: choose from "
@@ -359,7 +360,7 @@ def bench_zero(args):
         report(args, cfg, engines, first, sent, times, exposed, alone, pops, every.cpu().view(world_size, -1, 3), lags)
     engine = None  # the engines go before the group does (FSDP2's params hold its mesh): [Note: the end of a run]
     engines.clear()
-    comm.end_process_group(device, mine, every)
+    launch.end_process_group(device, mine, every)
 
 
 NOTES = """\

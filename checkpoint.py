@@ -20,7 +20,7 @@ is used (resume.verify: a file changed on disk or in a copy, even at its size, i
 [Note: a damaged checkpoint] in resume.py says what happens then). Leftover .tmp
 directories are removed by the next save, and only the newest keep_last complete checkpoints stay (the manifest is
 deleted first, so a crash while pruning cannot leave a directory that looks complete). A restarted worker (torchrun
---max-restarts=N; train.py keeps each attempt's rendezvous apart, see comm.restart_store) resumes from the newest
+--max-restarts=N; train.py keeps each attempt's rendezvous apart, see launch.restart_store) resumes from the newest
 one. A run from scratch refuses an out_dir that holds checkpoints: they belong to another run, and a restart or a
 keep_last cleanup would mix the two; and no two runs train in one out_dir at once ([Note: one run an out_dir],
 resume.claim). (Several nodes need out_dir on a shared filesystem: resume.check_shared, at the start.) A save that cannot write (a disk full, a quota,

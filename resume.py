@@ -28,7 +28,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-import comm
+import launch
 import configurator
 import kernels
 
@@ -207,7 +207,7 @@ def check_shared(out_dir, rank, world_size, device, wait=2.0):
     deadline = time.monotonic() + wait
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.1)
-    missing = comm.ranks_where(not os.path.exists(path), device)
+    missing = launch.ranks_where(not os.path.exists(path), device)
     if rank == 0:
         os.remove(path)
     if missing:

@@ -15,7 +15,7 @@ import re
 import torch
 
 import checkpoint
-import comm
+import launch
 import resume
 import consolidate
 from model import GPT, GPTConfig
@@ -86,7 +86,7 @@ def main(argv=None):
     wrong += [f"--seed={args.seed}: use an integer from -2**63 to 2**64 - 1"] * (not -2**63 <= args.seed < 2**64)  # torch's
     wrong += [f"--device={args.device}: use cpu or cuda (cuda:N)"] * (not re.fullmatch(r'cpu|cuda(:\d+)?', args.device))
     wrong += ["--start is empty: give at least one character (the default is a newline)"] * (args.start in ('', 'FILE:'))
-    absent = re.fullmatch(r'cuda(:\d+)?', args.device) and comm.absent_gpu(args.device)
+    absent = re.fullmatch(r'cuda(:\d+)?', args.device) and launch.absent_gpu(args.device)
     wrong += [f"--device={args.device}: {absent}"] * bool(absent)
     if wrong:
         parser.error(wrong[0])

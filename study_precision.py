@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import comm
+import launch
 import memory
 import train
 
@@ -114,7 +114,7 @@ def main():
     parser.add_argument('--out', default=os.path.join(os.path.dirname(os.path.abspath(__file__)), 'assets'))
     args = parser.parse_args()
     study, seeds = (QUICK, [1337]) if args.quick else (STUDY, [int(s) for s in args.seeds.split(',')])
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(comm.free_port()))
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(launch.free_port()))
     dist.init_process_group('gloo', rank=0, world_size=1)
     train.prepare_data({**train.DEFAULTS, **study}, 0, torch.device('cpu'))
     results, t0 = {}, time.time()
@@ -132,7 +132,7 @@ def main():
         f.write(text + f"\n$ python study_precision.py{' --quick' if args.quick else ''}\n")
     plot(results, os.path.join(args.out, 'precision.png'))
     print(text)
-    comm.end_process_group(torch.device('cpu'))  # [Note: the end of a run]
+    launch.end_process_group(torch.device('cpu'))  # [Note: the end of a run]
 
 
 if __name__ == '__main__':

@@ -44,6 +44,7 @@ import checkpoint
 import resume
 import consolidate
 import comm
+import launch
 import sample
 import train
 import zero
@@ -185,7 +186,7 @@ def _rank_main(rank, init_file, root, jobs):
                 results[job].append(e)
         dist.barrier()  # jobs start together, so a rank waits for one job at most
     torch.save(results, os.path.join(root, f'results{rank}.pt'))
-    comm.end_process_group(torch.device('cpu'))  # [Note: the end of a run]
+    launch.end_process_group(torch.device('cpu'))  # [Note: the end of a run]
 
 
 def resume_runs(world, stage, resume_world=None, resume_stage=None, accum=4, cfg=None):
@@ -719,7 +720,7 @@ def test_killed_rank_restarts_from_the_last_complete_checkpoint_and_ends_bit_ide
     restart, rank 1 after writing its file of ckpt-7 (a .tmp directory without a manifest); on the second, rank 0
     after writing ckpt-8's manifest but before the rename (a .tmp directory with a complete manifest)."""
     out_dir = scratch_dir('faults')
-    # (without comm.restart_store the restarted gloo workers fail: "Gloo connectFullMesh failed ... Connection
+    # (without launch.restart_store the restarted gloo workers fail: "Gloo connectFullMesh failed ... Connection
     # refused", 3 runs out of 3 here, pytorch/pytorch#135712)
     env = {'NANOZERO_FAULT': 'step:5:1,save:7:1,manifest:8:0'}
     log = torchrun(2, f'--out_dir={out_dir}', *RUN, restarts=3, env=env)
@@ -1065,7 +1066,7 @@ def _load_on(rank, init_file, out_dir, said):
         checkpoint.load(build(cfg, None), path, resume.read_manifest(path), log=QUIET)
     except RuntimeError as e:
         json.dump(str(e), open(f'{said}{rank}', 'w'))
-    comm.end_process_group(torch.device('cpu'))
+    launch.end_process_group(torch.device('cpu'))
 
 
 def _set_aside_on(rank, init_file, out_dir, said):
@@ -1077,7 +1078,7 @@ def _set_aside_on(rank, init_file, out_dir, said):
         resume.set_aside([(ckpt(out_dir, 10), 'why')], comm.Comm(None, CPU), QUIET)
     except resume.Damaged as e:
         json.dump(str(e), open(f'{said}{rank}', 'w'))
-    comm.end_process_group(CPU)
+    launch.end_process_group(CPU)
 
 
 def test_a_damaged_checkpoint_that_cannot_be_set_aside_stops_every_rank_in_one_line(tmp_path):
@@ -1217,7 +1218,7 @@ def _check_shared_on(rank, init_file, root, said):
         except ValueError as e:
             results.append(str(e))
     json.dump(results, open(f'{said}{rank}', 'w'))
-    comm.end_process_group(CPU)
+    launch.end_process_group(CPU)
 
 
 def test_a_rank_that_does_not_see_out_dir_stops_every_rank_at_the_start(tmp_path):
@@ -1251,7 +1252,7 @@ def _save_on(rank, init_file, out_dir, said):
         os.path.exists = lambda p: p.endswith('ckpt-00000005/manifest.json') or exists(p)
     path = checkpoint.save(engine, cfg, train.model_args(cfg, train.vocab_size(cfg)), 5, 9.9, log=QUIET)
     json.dump(path, open(f'{said}{rank}', 'w'))
-    comm.end_process_group(CPU)
+    launch.end_process_group(CPU)
 
 
 def test_every_rank_saves_as_rank_0_sees_the_checkpoint_however_stale_another_ranks_view(tmp_path):
@@ -1269,7 +1270,7 @@ def _verify_on(rank, init_file, path, said):
         resume.verify(path, resume.read_manifest(path), comm.Comm(None, torch.device('cpu')))
     except resume.ChangedFile as e:
         json.dump([str(e), read], open(f'{said}{rank}', 'w'))
-    comm.end_process_group(torch.device('cpu'))
+    launch.end_process_group(torch.device('cpu'))
 
 
 def test_every_rank_stops_at_a_changed_file_that_one_rank_read_and_each_file_is_read_once(tmp_path):
@@ -1483,7 +1484,7 @@ def _load_step_count_on(rank, init_file, path, said):
         checkpoint.load(engine, path, resume.read_manifest(path), log=QUIET)
         counts.append(checkpoint.step_count(engine))
     json.dump(counts, open(said, 'w'))
-    comm.end_process_group(CPU)
+    launch.end_process_group(CPU)
 
 
 def test_adams_step_count_is_resumed_from_the_manifest_not_the_iteration(tmp_path):

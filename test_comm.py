@@ -2,7 +2,7 @@
 The simulated link (comm.py, [Note: simulated link]): its arithmetic, its queue, and the overlap it lets a
 step show. In-process, on torch's fake process group (rank 0 of world_size ranks, alone). Stages 1-3 with every
 async collective landing only at its wait, as NCCL may (LateCollectives). And the end of a run
-(comm.end_process_group, [Note: the end of a run]), on a 1-rank gloo process group.
+(launch.end_process_group, [Note: the end of a run]), on a 1-rank gloo process group.
 
     python -m pytest -q test_comm.py
 """
@@ -27,6 +27,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import bench_link
 import bench_scale
 import comm
+import launch
 import fsdp_lite
 import kernels
 import train
@@ -190,7 +191,7 @@ def _time_collectives_rank(rank, world_size, init_file):
     for numel in bench_link.buffer_numels(world_size)[:2]:
         for kind in bench_link.KINDS:
             assert bench_link.time_collective(kind, numel, world_size, repeats=1) > 0
-    comm.end_process_group(torch.device('cpu'))
+    launch.end_process_group(torch.device('cpu'))
 
 
 def test_bench_link_times_every_collective_at_a_world_size_that_divides_no_power_of_two(tmp_path):
@@ -777,7 +778,7 @@ def test_a_run_ends_only_once_nothing_else_holds_its_last_collectives_tensors(gl
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        comm.end_process_group(torch.device('cpu'), t)
+        launch.end_process_group(torch.device('cpu'), t)
     assert t._use_count() == 1 and time.perf_counter() - t0 >= 0.3
     assert not dist.is_initialized()
 
@@ -787,7 +788,7 @@ def test_a_tensor_never_let_go_ends_the_run_after_the_timeout_with_a_warning(glo
     held = t.view(-1)  # kept all along: the wait is bounded, and says why it gave up
     t0 = time.perf_counter()
     with pytest.warns(UserWarning, match='gloo still holds a tensor 0.2 s after the last collective'):
-        comm.end_process_group(torch.device('cpu'), t, timeout=0.2)
+        launch.end_process_group(torch.device('cpu'), t, timeout=0.2)
     assert 0.2 <= time.perf_counter() - t0 < 5 and not dist.is_initialized() and t._use_count() == 2  # (the view)
     del held  # held to here
 
@@ -800,7 +801,7 @@ def test_on_nccl_the_end_waits_for_no_tensor_held(gloo_world, monkeypatch):
     monkeypatch.setattr(dist, 'get_backend', lambda *args, **kwargs: 'nccl')
     with warnings.catch_warnings():
         warnings.simplefilter('error')  # a wait would end in gloo's warning, after the timeout
-        comm.end_process_group(torch.device('cpu'), t, timeout=0.5)
+        launch.end_process_group(torch.device('cpu'), t, timeout=0.5)
     assert not dist.is_initialized() and t._use_count() == 2  # (the view, kept)
     del held
 
@@ -829,7 +830,7 @@ if sys.argv[1].startswith('fsdp2'):  # a module sharded by FSDP2 on this group (
 t = torch.ones(4)
 dist.all_reduce(t)
 assert gloo_threads(), 'no thread named gloo while the group runs: the check below would see none either way'
-comm.end_process_group(torch.device('cpu'), t)
+launch.end_process_group(torch.device('cpu'), t)
 print(gloo_threads())
 """
 
@@ -839,7 +840,7 @@ print(gloo_threads())
 def test_the_end_of_a_run_joins_gloos_threads_while_python_is_whole(run):
     # [Note: the end of a run]: torch._dynamo imported after the group started (as train.py's meta init and compile do)
     # kept the group alive past destroy_process_group, its worker threads too, into the interpreter's shutdown; and
-    # after FSDP2, DTensor's caches (comm.DTENSOR_CACHES) and the module's cycles kept its mesh, and so the group;
+    # after FSDP2, DTensor's caches (launch.DTENSOR_CACHES) and the module's cycles kept its mesh, and so the group;
     # under torch 2.11 a cache out of reach keeps the mesh too ('fsdp2' failed there): the mesh lets go of the group
     out = subprocess.run([sys.executable, '-c', GLOO_THREADS_AFTER_THE_END, run], capture_output=True, text=True,
                          timeout=120)

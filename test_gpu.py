@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-import comm
+import launch
 import resume
 from model import GPT, GPTConfig
 
@@ -73,7 +73,7 @@ def run(name, *args, script='train.py', config='config/shakespeare_char.py', tor
     if torchrun:
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=1', script, *args]
     else:
-        env.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(comm.free_port()))
+        env.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(launch.free_port()))
         cmd = [sys.executable, script, *([config] if config else []), *args]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
@@ -423,16 +423,15 @@ def test_meta_built_stage3_on_cuda_with_checkpointing_trains(nccl_world):
 
 @cuda_only
 def test_a_nccl_run_ends_through_end_process_group(nccl_world):
-    """comm.end_process_group on NCCL ([Note: the end of a run]): its all-reduce's tensor on the run's GPU (NCCL
+    """launch.end_process_group on NCCL ([Note: the end of a run]): its all-reduce's tensor on the run's GPU (NCCL
     takes no CPU tensor), no wait on gloo's threads, no warning, the process group gone. Every train.py run here
     ends through it too."""
     import warnings
-    import comm
     t = torch.ones(4, device='cuda')
     dist.all_reduce(t)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        comm.end_process_group(torch.device('cuda'), t)
+        launch.end_process_group(torch.device('cuda'), t)
     assert not dist.is_initialized()
 
 # -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import comm
+import launch
 import kernels
 import memory
 import train
@@ -457,7 +457,7 @@ def _auto_with_unequal_memory(rank, init, out):
     free = [2 * need[0], (need[1] + need[2]) / 2][rank] / 0.9  # rank 0 alone would pick stage 0, rank 1 stage 2
     cfg, args = auto_config(memory_gb=free / 1e9)  # as mem_get_info on two GPUs of one job
     torch.save(choose(cfg, torch.device('cpu'), 2, args), os.path.join(out, f'rank{rank}.pt'))
-    comm.end_process_group(torch.device('cpu'))  # [Note: the end of a run]: a gloo worker may still hold the MIN's tensor
+    launch.end_process_group(torch.device('cpu'))  # [Note: the end of a run]: a gloo worker may still hold the MIN's tensor
 
 
 def test_auto_picks_one_stage_for_every_rank_from_the_least_memory(tmp_path):
@@ -671,18 +671,18 @@ def test_profile_traces_iterations_2_to_4_with_our_named_ranges_and_stops_after_
 def test_the_profiler_is_stopped_after_the_fourth_iteration(tmp_path):
     # a torch.profiler.schedule without repeat=1 cycles wait/warmup/active to the end of the run (measured on an H100:
     # the whole run 2.6x slower, the trace its last partial cycle)
-    profiler = comm.start_profiler(str(tmp_path), 0, torch.device('cpu'))
+    profiler = launch.start_profiler(str(tmp_path), 0, torch.device('cpu'))
     running = []
     for iteration in range(1, 8):
         torch.ones(8).sum()
         if profiler:  # as train.py's loop
-            profiler = comm.profiler_step(profiler, str(tmp_path), log=lambda *a: None)
+            profiler = launch.profiler_step(profiler, str(tmp_path), log=lambda *a: None)
         running.append(profiler is not None and torch.autograd._profiler_enabled())
     assert running == [True, True, True, False, False, False, False] and (tmp_path / 'trace_rank0.json').exists()
 
 
 def test_on_cuda_the_profiler_records_the_gpus_kernels_too(monkeypatch, tmp_path):
-    # comm.start_profiler's CUDA branch, torch.profiler.profile stood in for: a GPU run's trace has the kernels
+    # launch.start_profiler's CUDA branch, torch.profiler.profile stood in for: a GPU run's trace has the kernels
     # (test_gpu.py's test_profile_traces_cuda_kernels... reads a real one), a CPU run's asks for no CUDA activity
     asked = []
 
@@ -694,7 +694,7 @@ def test_on_cuda_the_profiler_records_the_gpus_kernels_too(monkeypatch, tmp_path
             pass
     monkeypatch.setattr(torch.profiler, 'profile', Profile)
     for device in (torch.device('cuda', 1), torch.device('cpu')):
-        comm.start_profiler(str(tmp_path), 0, device)
+        launch.start_profiler(str(tmp_path), 0, device)
     activity = torch.profiler.ProfilerActivity
     assert asked == [[activity.CPU, activity.CUDA], [activity.CPU]]
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import bench_train
 import bench_zero
 import comm
+import launch
 import configurator
 import train
 from test_zero import ON_CPU
@@ -219,7 +220,7 @@ def test_bench_train_refuses_a_bad_nproc_or_device_before_any_job(monkeypatch):
 
 
 def test_a_world_size_without_a_rank_is_checked_as_the_one_rank_it_runs():
-    # WORLD_SIZE left in the environment without RANK: comm.start_process_group runs the job alone (world 1), and the
+    # WORLD_SIZE left in the environment without RANK: launch.start_process_group runs the job alone (world 1), and the
     # config is now checked at that size (before: 3 micro-steps "not divisible by the 2 ranks" of a 1-rank run)
     env = {k: v for k, v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')}
     args = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2', '--eval_iters=1',
@@ -329,7 +330,7 @@ def test_a_dataset_a_machine_lacks_is_one_line_from_that_machines_first_rank(mon
     # lacks. Before, only rank 0 spoke, and node 0 had the data: node 1's ranks exited 1 without a word
     for key, value in (('RANK', '4'), ('LOCAL_RANK', '0'), ('LOCAL_WORLD_SIZE', '4')):
         monkeypatch.setenv(key, value)
-    with pytest.raises(comm.MachineError, match="dataset='nope': data/nope/train.bin and val.bin not found") as e:
+    with pytest.raises(launch.MachineError, match="dataset='nope': data/nope/train.bin and val.bin not found") as e:
         train.check_config(train.parse_config(['--dataset=nope', '--device=cpu']), world_size=8)
     assert train.config_error(e.value, 4) == f"rank 4: config error: {e.value}"
     monkeypatch.setenv('LOCAL_RANK', '1')
@@ -381,7 +382,7 @@ def test_the_lr_schedule_takes_warmup_ending_where_the_decay_ends():
     ('cuda', '3', 'cuda:3', 'nccl'), ('cuda:0', '5', 'cuda:5', 'nccl'), ('cpu', '3', 'cpu', 'gloo')])
 def test_each_rank_takes_the_gpu_of_its_local_rank_and_hands_it_to_nccl(monkeypatch, device, local_rank, expected,
                                                                        backend):
-    # comm.start_process_group on a GPU machine, its CUDA calls stood in for: rank 11 of 16 on a node's GPU LOCAL_RANK
+    # launch.start_process_group on a GPU machine, its CUDA calls stood in for: rank 11 of 16 on a node's GPU LOCAL_RANK
     # (whatever index the config names), set as the current device before NCCL starts, and given to NCCL as its
     # device_id (the eager init that binds its communicator to that GPU); on the CPU, gloo and no device_id.
     calls = {}
@@ -391,7 +392,7 @@ def test_each_rank_takes_the_gpu_of_its_local_rank_and_hands_it_to_nccl(monkeypa
     monkeypatch.setattr(train.dist, 'get_world_size', lambda: 16)
     for key, value in dict(RANK='11', WORLD_SIZE='16', LOCAL_RANK=local_rank).items():
         monkeypatch.setenv(key, value)
-    got, rank, world = comm.start_process_group(device, '')
+    got, rank, world = launch.start_process_group(device, '')
     assert (str(got), rank, world) == (expected, 11, 16)
     assert calls.get('set_device') == (got if backend == 'nccl' else None)
     init = calls['init']
@@ -405,9 +406,9 @@ def test_a_run_alone_takes_the_gpu_it_names_and_a_port_nothing_holds(monkeypatch
     # itself at port 29500 + pid % 1000, which another run alone (or torchrun's 29500) may hold: EADDRINUSE at start
     calls = {}
     monkeypatch.setattr(torch.cuda, 'set_device', lambda d: calls.setdefault('set_device', d))
-    monkeypatch.setattr(comm.dist, 'init_process_group', lambda **kw: calls.setdefault('init', kw))
-    monkeypatch.setattr(comm.dist, 'get_rank', lambda: 0)
-    monkeypatch.setattr(comm.dist, 'get_world_size', lambda: 1)
+    monkeypatch.setattr(launch.dist, 'init_process_group', lambda **kw: calls.setdefault('init', kw))
+    monkeypatch.setattr(launch.dist, 'get_rank', lambda: 0)
+    monkeypatch.setattr(launch.dist, 'get_world_size', lambda: 1)
     for key in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT'):
         monkeypatch.setenv(key, '')
         monkeypatch.delenv(key)  # absent during the test, and again after it
@@ -415,7 +416,7 @@ def test_a_run_alone_takes_the_gpu_it_names_and_a_port_nothing_holds(monkeypatch
         with contextlib.suppress(OSError):  # (held by something else already: the same case)
             other_run.bind(('127.0.0.1', 29500 + os.getpid() % 1000))  # the port this process used to pick
             other_run.listen()
-        got, rank, world = comm.start_process_group(device, '')
+        got, rank, world = launch.start_process_group(device, '')
         with socket.socket() as ours:
             ours.bind(('127.0.0.1', int(os.environ['MASTER_PORT'])))  # free: nothing listens there
     assert (str(got), rank, world) == (expected, 0, 1)
@@ -439,14 +440,14 @@ print(train.DEFAULTS['dtype'])
 
 def test_a_rendezvous_still_waiting_says_so_once_and_a_quick_one_says_nothing(monkeypatch, capfd):
     # RANK and WORLD_SIZE set by hand, no other rank started: before, train.py printed nothing and waited for good
-    monkeypatch.setattr(comm.dist, 'init_process_group', lambda **kw: time.sleep(kw['world_size'] * 0.1))
-    monkeypatch.setattr(comm.dist, 'get_rank', lambda: 0)
-    monkeypatch.setattr(comm.dist, 'get_world_size', lambda: 1)
+    monkeypatch.setattr(launch.dist, 'init_process_group', lambda **kw: time.sleep(kw['world_size'] * 0.1))
+    monkeypatch.setattr(launch.dist, 'get_rank', lambda: 0)
+    monkeypatch.setattr(launch.dist, 'get_world_size', lambda: 1)
     for key, value in dict(RANK='0', LOCAL_RANK='0', MASTER_ADDR='10.0.0.7', MASTER_PORT='29777').items():
         monkeypatch.setenv(key, value)
     for world_size, quiet_for in (('1', 5.0), ('4', 0.1)):  # the init takes 0.1 s, then 0.4 s
         monkeypatch.setenv('WORLD_SIZE', world_size)
-        comm.start_process_group('cpu', '', quiet_for=quiet_for)
+        launch.start_process_group('cpu', '', quiet_for=quiet_for)
     assert capfd.readouterr().err == ("rank 0: still waiting for the other 3 rank(s) at 10.0.0.7:29777 after 0.1 s: "
                                        "are they started, with the same WORLD_SIZE and MASTER_ADDR:MASTER_PORT? (a "
                                        "rank that stopped before this point said why in its machine's log)\n")
@@ -466,14 +467,14 @@ def test_a_rank_that_stops_on_its_own_is_read_by_every_rank_and_the_first_line_s
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     exits, shown, at_exit = [], [], []
-    monkeypatch.setattr(comm.os, '_exit', exits.append)  # (the watcher's loop goes on, until its `ended`)
-    monkeypatch.setattr(comm.atexit, 'register', lambda *call: at_exit.append(call))
+    monkeypatch.setattr(launch.os, '_exit', exits.append)  # (the watcher's loop goes on, until its `ended`)
+    monkeypatch.setattr(launch.atexit, 'register', lambda *call: at_exit.append(call))
     monkeypatch.setattr(sys, 'excepthook', lambda kind, e, tb: shown.append(kind))  # the hook before ours
 
     def as_rank(rank):  # this process as that rank of the job
         for key, value in dict(RANK=rank, LOCAL_RANK=rank % 2, GROUP_RANK=rank // 2).items():
             monkeypatch.setenv(key, str(value))
-        return comm.Stops()
+        return launch.Stops()
 
     def watch(rank, met, until):  # rank's watcher, ended once until() holds (10 s at most)
         stops = as_rank(rank)
@@ -498,7 +499,7 @@ def test_a_rank_that_stops_on_its_own_is_read_by_every_rank_and_the_first_line_s
     assert exits == [1] and capfd.readouterr().err == f"rank 0: stopping: {line}\n"  # rank 2: its torchrun's to end
     assert waits.is_alive() and store.check(['read/0', 'read/2', 'read/3']) and not store.check(['read/1'])
     as_rank(1)
-    comm.tell_on_a_crash()
+    launch.tell_on_a_crash()
     dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)  # torch's hook goes around ours
     try:
         sys.excepthook(RuntimeError, RuntimeError('y'), None)  # rank 1 raises: rank 3 was first, its line stays
@@ -514,7 +515,7 @@ def test_a_rank_that_stops_on_its_own_is_read_by_every_rank_and_the_first_line_s
     watch(2, met, until=lambda: time.sleep(1.2) or True)  # rank 2, mid-run
     assert exits == [1]  # nothing to read: it watched on
     as_rank(1)
-    monkeypatch.setattr(comm.dist, 'is_initialized', lambda: True)  # the ranks met
+    monkeypatch.setattr(launch.dist, 'is_initialized', lambda: True)  # the ranks met
     sys.excepthook(RuntimeError, RuntimeError('CUDA out of memory\nmore'), None)  # rank 1 raises, the first to stop
     store = dist.PrefixStore('nanozero/attempt2', server)
     watch(3, met, until=lambda: store.check(['read/3']) and not time.sleep(0.5))  # node 1's second rank: it leaves
@@ -745,7 +746,7 @@ def test_bench_zero_takes_only_settings_that_change_how_our_engine_is_built():
 
 def test_bench_zero_refuses_zero_rounds_or_steps_before_it_starts_anything(monkeypatch):
     # before, --rounds=0 built, compiled and warmed up every kind, then died in quantile() (on a GPU: a lease's minutes)
-    monkeypatch.setattr(bench_zero.comm, 'start_process_group', lambda *a: pytest.fail("started a process group"))
+    monkeypatch.setattr(bench_zero.launch, 'start_process_group', lambda *a: pytest.fail("started a process group"))
     parser = argparse.ArgumentParser()
     bench_zero.add_arguments(parser)
     for bad in (['--rounds=0'], ['--steps=0']):
@@ -756,7 +757,7 @@ def test_bench_zero_refuses_zero_rounds_or_steps_before_it_starts_anything(monke
 def test_bench_zero_refuses_an_unknown_or_repeated_kind_before_building_any(monkeypatch):
     # an unknown kind (a typo: 'fsdp') was built as FSDP2 under that name; a kind named twice collapsed into one
     # engine and the report died in a traceback after every kind had been built and timed
-    monkeypatch.setattr(bench_zero.comm, 'start_process_group', lambda *a: (torch.device('cpu'), 0, 1))
+    monkeypatch.setattr(bench_zero.launch, 'start_process_group', lambda *a: (torch.device('cpu'), 0, 1))
     monkeypatch.setattr(bench_zero, 'build', lambda *a: pytest.fail("built a kind"))
     monkeypatch.setattr(bench_zero.train, 'prepare_data', lambda *a: pytest.fail("prepared the data"))
     parser = argparse.ArgumentParser()
@@ -833,8 +834,8 @@ def test_bench_zero_times_each_kind_in_rotating_turns_after_its_warm_up(monkeypa
 
     for name in ('all_gather', 'reduce_scatter', 'all_reduce_sum'):  # CommClock wraps them: put them back after
         monkeypatch.setattr(bench_zero.zero.Comm, name, getattr(bench_zero.zero.Comm, name))
-    monkeypatch.setattr(bench_zero.comm, 'start_process_group', lambda *a: (torch.device('cpu'), 0, 1))
-    monkeypatch.setattr(bench_zero.comm, 'end_process_group', lambda *a: None)
+    monkeypatch.setattr(bench_zero.launch, 'start_process_group', lambda *a: (torch.device('cpu'), 0, 1))
+    monkeypatch.setattr(bench_zero.launch, 'end_process_group', lambda *a: None)
     monkeypatch.setattr(bench_zero.train, 'prepare_data', lambda *a: None)
     monkeypatch.setattr(bench_zero.train, 'load_split', lambda *a: None)
     monkeypatch.setattr(bench_zero.train, 'train_batches', lambda data, iteration, *a: iteration)
@@ -1043,7 +1044,7 @@ def test_the_code_every_rank_compares_is_the_source_it_runs(tmp_path, monkeypatc
 def two_nodes(args, cwd=(None, None), timeout=180, nproc=1):
     """Nodes 0 and 1 of nproc ranks each, on this machine (torchrun's static rendezvous at 127.0.0.1), node n running
     train.py with args[n] in cwd[n]: ([exit codes], [(stdout, stderr)])."""
-    port = comm.free_port()
+    port = launch.free_port()
     nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', '--nnodes=2',
                                f'--node_rank={n}', '--master_addr=127.0.0.1', f'--master_port={port}', *args[n]],
                               cwd=cwd[n], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -1073,7 +1074,7 @@ def test_two_nodes_started_with_different_overrides_stop_at_the_start_in_one_lin
 
 
 def test_a_machine_that_stops_before_the_ranks_meet_stops_the_other_machines_at_once(tmp_path):
-    # [Note: a rank that stops on its own] (comm.py): one node started with a mistake of its own. Before, its
+    # [Note: a rank that stops on its own] (launch.py): one node started with a mistake of its own. Before, its
     # rank said why and stopped, and the other node's waited at the rendezvous for torch's timeout (30 min for gloo).
     # Now the other node stops too, with that line. Node 1's mistake; and node 0's, whose torchrun holds the store
     args = ['train.py', 'config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32',

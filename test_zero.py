@@ -32,6 +32,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import checkpoint
 import resume
 import comm
+import launch
 import fsdp_lite
 import memory
 import train
@@ -66,7 +67,7 @@ def _rank_main(rank, world_size, init_file, out_dir, jobs):
         except Exception as e:  # report, and keep the ranks in step for the next job
             results.append(e)
     torch.save(results, os.path.join(out_dir, f'rank{rank}.pt'))
-    comm.end_process_group(torch.device('cpu'))  # [Note: the end of a run]
+    launch.end_process_group(torch.device('cpu'))  # [Note: the end of a run]
 
 
 def run_ranks(world_size, jobs):
@@ -358,9 +359,9 @@ test_zero.make_engine('fsdp2', model, grad_clip=0.05)
 test_zero.check_on_cpu('fsdp2', model)
 for cmd in (test_train.torchrun_cmd(2), test_checkpoint.torchrun_cmd(2)):
     cfg = train.parse_config(cmd[cmd.index('train.py') + 1:])
-    backend = cfg['backend'] or ('nccl' if cfg['device'] == 'cuda' else 'gloo')  # comm.start_process_group's rule
+    backend = cfg['backend'] or ('nccl' if cfg['device'] == 'cuda' else 'gloo')  # launch.start_process_group's rule
     assert (cfg['device'], backend) == ('cpu', 'gloo'), (cmd, cfg['device'], backend)
-comm.end_process_group(torch.device('cpu'))
+launch.end_process_group(torch.device('cpu'))
 print('stayed on cpu')
 """
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300,

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import checkpoint
 import resume
-import comm
+import launch
 import configurator
 import fsdp_lite
 import kernels
@@ -211,15 +211,15 @@ def prepare_data(cfg, rank, device):
     """Shakespeare (GPT-2 tokens or characters) is prepared on first use: by rank 0, then by each other machine's first
     rank where it is still not there (each machine's own data/, not one shared by all); the others wait. One that
     fails (offline, a disk full) stops every rank, not only its own: its machine's first rank says why."""
-    for turn in (rank == 0, rank > 0 and comm.first_on_machine()):
+    for turn in (rank == 0, rank > 0 and launch.first_on_machine()):
         why = ''
         if turn and cfg['dataset'] in PREPARED_ON_FIRST_USE and not os.path.exists(os.path.join(data_dir(cfg), 'meta.json')):
             try:  # (meta.json is written last)
                 __import__(f"data.{cfg['dataset']}.prepare", fromlist=['prepare']).prepare(data_dir(cfg))
             except Exception as e:
                 why = f": {type(e).__name__}: {e}"
-        if comm.ranks_where(why, device):  # (and the others' wait)
-            raise comm.MachineError(f"preparing {os.path.relpath(data_dir(cfg))} failed{why or ' on another machine'}")
+        if launch.ranks_where(why, device):  # (and the others' wait)
+            raise launch.MachineError(f"preparing {os.path.relpath(data_dir(cfg))} failed{why or ' on another machine'}")
 
 
 def config_problems(cfg, world_size):
@@ -250,15 +250,15 @@ def check_config(cfg, world_size):
         problems.append(f"device={cfg['device']!r}{', backend=nccl' * (cfg['backend'] == 'nccl')}: use 'cpu' (gloo), "
                         f"or 'cuda' (nccl) where torch sees a GPU (torch.cuda.is_available() is {gpu} here)")
     elif device == 'cuda':
-        machine = comm.gpu_problems(cfg['device'], torch.cuda.device_count())
+        machine = launch.gpu_problems(cfg['device'], torch.cuda.device_count())
     if cfg['optimizer_impl'] in ('cpu', 'cuda') and cfg['optimizer_impl'] != device:
         problems.append(f"optimizer_impl={cfg['optimizer_impl']!r} steps shards on the {cfg['optimizer_impl'].upper()}, and "
                         f"device={cfg['device']!r}: use 'auto' (the device's kernel)")
     if problems or machine:
-        raise ValueError(problems[0]) if problems else comm.MachineError(machine[0])
+        raise ValueError(problems[0]) if problems else launch.MachineError(machine[0])
     found = all(os.path.exists(os.path.join(data_dir(cfg), f'{s}.bin')) for s in ('train', 'val'))
     if not found and cfg['dataset'] not in PREPARED_ON_FIRST_USE:
-        raise comm.MachineError(f"dataset={cfg['dataset']!r}: {os.path.relpath(data_dir(cfg))}/train.bin and val.bin not found; "
+        raise launch.MachineError(f"dataset={cfg['dataset']!r}: {os.path.relpath(data_dir(cfg))}/train.bin and val.bin not found; "
                                 f"prepare them with python data/shakespeare/prepare.py --input=YOUR.txt --out_dir=data/"
                                 f"{cfg['dataset']} (GPT-2 tokens) or data/shakespeare_char/prepare.py (characters)")
     tokens = found and min(os.path.getsize(os.path.join(data_dir(cfg), f'{s}.bin')) // 2 for s in ('train', 'val'))
@@ -304,7 +304,7 @@ def compile_model(model, engine):
 
 def config_error(e, rank, met=True):  # sys.exit's: one line from rank 0 (every rank meets it), from a rank a file was
     # Unreadable to, or from each machine's first rank for a MachineError or an error before the ranks met (met=False)
-    says = rank == 0 or isinstance(e, resume.Unreadable) or (isinstance(e, comm.MachineError) or not met) and comm.first_on_machine()
+    says = rank == 0 or isinstance(e, resume.Unreadable) or (isinstance(e, launch.MachineError) or not met) and launch.first_on_machine()
     return f"{f'rank {rank}: ' * (rank > 0)}config error: {e}" if says else 1
 
 
@@ -323,9 +323,9 @@ def catch_ctrl_c():
 
 
 def main(cfg):
-    device, rank, world_size = comm.start_process_group(cfg['device'], cfg['backend'])
+    device, rank, world_size = launch.start_process_group(cfg['device'], cfg['backend'])
     job = dict(cfg, device=device.type, code=configurator.code(), torch=torch.__version__)  # each machine is launched
-    if differ := configurator.differences(comm.gather_objects(job), per_node=('out_dir', 'memory_gb')):  # on its own
+    if differ := configurator.differences(launch.gather_objects(job), per_node=('out_dir', 'memory_gb')):  # on its own
         sys.exit(config_error(ValueError(differ), rank))
     master_process = rank == 0
     log = print if master_process else (lambda *a, **k: None)
@@ -374,7 +374,7 @@ def main(cfg):
         log(f"warning: {warning}")
     if cfg['compile']:
         log("compiling with torch.compile: the first iterations include the compilation")
-    profiler = comm.start_profiler(cfg['out_dir'], rank, device) if cfg['profile'] else None
+    profiler = launch.start_profiler(cfg['out_dir'], rank, device) if cfg['profile'] else None
     peak = peak_flops(device)
     t0, skipped = time.time(), 0  # skipped: steps in a row with a non-finite grad norm
     interrupted = catch_ctrl_c()
@@ -398,7 +398,7 @@ def main(cfg):
         skipped = 0 if math.isfinite(grad_norm) else skipped + 1  # the same norm on every rank: all stop together
         checkpoint.fault_point('step', iter_num)
         if profiler:
-            profiler = comm.profiler_step(profiler, cfg['out_dir'], log)
+            profiler = launch.profiler_step(profiler, cfg['out_dir'], log)
         if iter_num % cfg['log_interval'] == 0:
             dist.all_reduce(loss)  # every rank: the mean over all ranks' micro-batches, whatever the world size
             loss /= world_size
@@ -415,27 +415,27 @@ def main(cfg):
         if device.type == 'cuda' and iter_num in (1, cfg['max_iters']):
             log(f"cuda max_memory_allocated after iteration {iter_num}: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
         if skipped == 40:  # fp16's scale now 2^-24, none would help. After the log line; every rank at once: exit 1
-            comm.end_process_group(device)  # (every rank is here: the group ended, not left to NCCL's warning at exit)
+            launch.end_process_group(device)  # (every rank is here: the group ended, not left to NCCL's warning at exit)
             sys.exit(f"training stopped: iterations {iter_num - skipped + 1}-{iter_num}: {skipped} steps in a row skipped, "
                      f"their grads not finite{' whatever the loss scale' if cfg['dtype'] == 'float16' else ''}: look for "
                      "NaN or inf in the data, the loss or the params, or lower learning_rate" if master_process else 1)
     if profiler:  # a run of fewer than 4 iterations
         profiler.stop()
-    comm.end_process_group(device)  # every rank done; [Note: the end of a run]
+    launch.end_process_group(device)  # every rank done; [Note: the end of a run]
 
 
 if __name__ == '__main__':
     if {'-h', '--help'} & set(sys.argv[1:]):  # how to run (the keys and their defaults: the top of this file)
         sys.exit(print(__doc__.strip(), *(f'  --{k}={v!r}' for k, v in DEFAULTS.items()), sep='\n'))
-    comm.tell_on_a_crash()  # from here on, an exception no rank catches stops the other machines' ranks too
+    launch.tell_on_a_crash()  # from here on, an exception no rank catches stops the other machines' ranks too
     try:
         config = parse_config(sys.argv[1:])
-        check_config(config, comm.launched_world_size())
+        check_config(config, launch.launched_world_size())
         lock = resume.claim(config['out_dir']) if os.environ.get('RANK', '0') == '0' and not config['eval_only'] else None
         if os.environ.get('RANK', '0') == '0' and os.path.exists(os.path.join(data_dir(config), 'meta.json')):
             resume.find_resume(config, model_args(config, vocab_size(config)))  # one line; the others: after check_shared
     except ValueError as e:  # one line, once a machine (torchrun starts its ranks with the same mistake), exit code 1
-        comm.Stops().tell(f'config error: {e}', before_meeting=True)  # the other machines' ranks stop with it
+        launch.Stops().tell(f'config error: {e}', before_meeting=True)  # the other machines' ranks stop with it
         sys.exit(config_error(e, int(os.environ.get('RANK', 0)), met=False))
     try:
         main(config)
@@ -446,7 +446,7 @@ if __name__ == '__main__':
                                      if saved else "no checkpoint saved yet"), file=sys.stderr)
         sys.exit(130)
     except checkpoint.NotSaved as e:  # a disk full, on any rank: every rank stops here; rank 0 says so, the failed rank why
-        comm.end_process_group(torch.device(config['device']))  # every rank is here: ended, not left to NCCL's warning
+        launch.end_process_group(torch.device(config['device']))  # every rank is here: ended, not left to NCCL's warning
         rank, saved = int(os.environ.get('RANK', 0)), resume.latest(config['out_dir'])
         then = (f"{saved} is the newest whole checkpoint: continue with --init_from=resume once there is room" if saved
                 else "no checkpoint was saved: a new run starts over")

@@ -41,6 +41,7 @@ from torch.autograd import DeviceType  # noqa: E402
 
 import bench_zero  # noqa: E402
 import comm  # noqa: E402
+import launch  # noqa: E402
 import train  # noqa: E402
 
 TINY = ['device=cpu', 'dtype=bfloat16', 'dataset=shakespeare_char', 'n_layer=12', 'n_embd=64', 'n_head=4',
@@ -93,7 +94,7 @@ def main():
         model.LOSS_CHUNK = a.loss_chunk
     overrides = (TINY if a.tiny else []) + [f'compile={bool(a.compile)}', f'gradient_accumulation_steps={a.micro}'] + a.set
     cfg = train.parse_config(['config/zero3.py'] + [f'--{kv}' for kv in overrides])
-    device, rank, world = comm.start_process_group(cfg['device'], cfg['backend'])
+    device, rank, world = launch.start_process_group(cfg['device'], cfg['backend'])
     train.check_config(cfg, world)
     train.prepare_data(cfg, rank, device)
     data = train.load_split(train.data_dir(cfg), 'train')
@@ -134,7 +135,7 @@ def main():
         turns(engines, kinds, step, a, cuda, sync, log)
     if a.cprofile:
         profile_python(engines, kinds, step, a, sync, log)
-    comm.end_process_group(device)
+    launch.end_process_group(device)
 
 
 def diagnose(kind, engine, step, a, cuda, sync, log):

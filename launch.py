@@ -1,0 +1,356 @@
+"""
+launch: a run's ranks, from their start to their end. Under torchrun each machine's torchrun starts one process a
+rank; without it a run is alone (world size 1, a process group of one, so every stage runs the same code).
+
+start_process_group starts a rank's process group: its device (under torchrun, the GPU of its LOCAL_RANK), its
+backend (nccl on GPUs, gloo on CPUs), a rendezvous of its own after each torchrun restart (restart_store). train.py's
+start-up checks compare what every rank has before a step (gather_objects, ranks_where, MachineError for what one
+machine lacks). Beside each rank, Stops watches for a rank that stops on its own, so that a job across machines
+never waits for torch's timeout ([Note: a rank that stops on its own]). profile=True's trace (start_profiler,
+profiler_step), and end_process_group, which ends a run without leaving a gloo thread to abort it at exit
+([Note: the end of a run]).
+"""
+import atexit
+import contextlib
+import datetime
+import gc
+import importlib
+import os
+import socket
+import sys
+import threading
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401  before any process group: [Note: the end of a run]
+
+# -----------------------------------------------------------------------------
+# A run's process group: its start (start_process_group, restart_store), its watch (Stops) and its end
+# (end_process_group)
+
+
+def gather_objects(obj):
+    """Every rank's obj (picklable), by rank: start-up checks only (not counted; not under the fake group)."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
+
+
+def ranks_where(flag, device):
+    """The ranks where flag is true, on every rank: one all-reduce of a flag a rank (start-up checks, not counted)."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    flags[dist.get_rank()] = bool(flag)
+    dist.all_reduce(flags)
+    return flags.nonzero().flatten().tolist()
+
+
+def first_on_machine():
+    """This rank is its machine's first (LOCAL_RANK 0), or cannot tell (RANK set by hand, no torchrun's
+    LOCAL_WORLD_SIZE): a line meant once a machine, not once a GPU."""
+    return os.environ.get('LOCAL_RANK', '0') == '0' or 'LOCAL_WORLD_SIZE' not in os.environ
+
+
+def launched_world_size():
+    """The world size start_process_group will give this process: a launcher's WORLD_SIZE if it set RANK too, else 1."""
+    return int(os.environ['WORLD_SIZE']) if 'RANK' in os.environ else 1
+
+
+def absent_gpu(device_name):
+    """What is wrong with 'cuda' or 'cuda:N' as a run alone's device (it takes the GPU it names), or None. train.py and
+    sample.py ask, before any CUDA call fails on it with "invalid device ordinal"."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(device_name.partition(':')[2] or 0) >= gpus:
+        return f"torch sees {gpus} GPU(s) here, cuda:0 to cuda:{gpus - 1}: name one of them" if gpus else \
+            "torch sees no GPU here: use cpu"
+
+
+class MachineError(ValueError):
+    """A mistake of one machine's (its GPUs, its data), which other machines of the job may not share: each machine's
+    first rank says it (train.config_error)."""
+
+
+def gpu_problems(device, gpus):
+    """Under a launcher each rank takes the GPU of its LOCAL_RANK (start_process_group), so a machine needs one GPU
+    a rank it runs; a run alone takes the one it names."""
+    if 'RANK' in os.environ:
+        local = os.environ.get('LOCAL_WORLD_SIZE')  # torchrun's, per machine; else at least LOCAL_RANK + 1
+        ranks = max(int(local or 1), int(os.environ.get('LOCAL_RANK', 0)) + 1)
+        visible = os.environ.get('CUDA_VISIBLE_DEVICES')
+        return [f"this machine runs {'at least ' * (not local)}{ranks} ranks, one GPU each (cuda:LOCAL_RANK), and torch "
+                f"sees {gpus} GPU(s) here{f' (CUDA_VISIBLE_DEVICES={visible!r})' * (visible is not None)}: start at "
+                f"most {gpus} a machine (torchrun --nproc_per_node={gpus}), or use device=cpu"] * (ranks > gpus)
+    absent = absent_gpu(device)
+    return [f"device={device!r}: {absent}"] * bool(absent)
+
+
+def start_process_group(device_name, backend='', quiet_for=30.0):
+    """Under torchrun: one process per rank, its device, its backend ('' = nccl on GPUs, gloo on CPUs). Without
+    torchrun: world size 1 (a 1-rank process group, so every stage runs the same code). Returns (device, rank,
+    world size). Beside it, from the rendezvous to the end, Stops.watch ([Note: a rank that stops on its own])."""
+    launched = 'RANK' in os.environ
+    if not launched:  # a port the OS says is free: two runs alone on one machine must not meet at one
+        os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()))
+    device = torch.device(device_name)
+    if device.type == 'cuda':  # a launched rank: its LOCAL_RANK's GPU; a run alone: the one named (cuda:1 is cuda:1)
+        device = torch.device('cuda', int(os.environ['LOCAL_RANK']) if launched else device.index or 0)
+        torch.cuda.set_device(device)
+    backend = backend or ('nccl' if device.type == 'cuda' else 'gloo')
+    rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
+    met, stops = threading.Event(), Stops()
+    watcher = threading.Thread(target=stops.watch, args=(met, quiet_for), daemon=True)
+    watcher.start()
+    atexit.register(end_watch, stops, watcher)
+    try:
+        dist.init_process_group(backend=backend, device_id=device if backend == 'nccl' else None,
+                                store=restart_store(), rank=rank, world_size=world_size)
+    finally:
+        met.set()
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+# [Note: a rank that stops on its own] torchrun starts each machine's ranks on its own, and ends them on its own: when
+# a rank stops, its machine's torchrun ends that machine's other ranks, and no other machine's. Those wait: at the
+# rendezvous, for a rank that stopped before it (its machine's config mistake, a dataset it lacks), until torch's timeout
+# (30 min for gloo); mid-run, under NCCL, in their next collective until its timeout (10 min), for a rank that raised
+# (a CUDA out-of-memory on one GPU). gloo notices a peer gone at once, but each rank then prints a traceback of its own
+# ("Connection closed by peer"), not the cause. So a rank that stops on its own says why as ever, and leaves its line
+# in torchrun's store (key 'stopped': the first rank to stop keeps it). Each rank watches the store, once a second
+# (twice before the ranks meet), beside its work: finding another machine's line, it marks it read ('read/<rank>')
+# and stops with it; a line of its own machine's it only marks read (its torchrun ends it). A rank that raises after
+# the line is there says that line, not its traceback. At its exit the rank that stopped waits (up to 2 s; 10 before
+# the ranks meet, where some may be slow to arrive) until every rank has read it: node 0's torchrun holds the store,
+# and ends, store and all, once node 0's ranks have. Under torchrun only (its store; the static rendezvous of
+# --master_addr, or --standalone: the keys of a restart carry its count, which every machine's torchrun counts alike
+# only when all of them restart together). Costs a connection and a request a second per rank at node 0's store.
+class Stops:
+    """This rank's side of [Note: a rank that stops on its own]: tell (it stops) and watch (for another's line)."""
+
+    def __init__(self, timeout=5.0):
+        self.rank, self.world_size = int(os.environ.get('RANK', 0)), launched_world_size()
+        self.node, self.store, self.lost = os.environ.get('GROUP_RANK', '0'), None, False
+        self.ended = threading.Event()  # set at exit: the watcher stops before Python does
+        if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or self.world_size == 1:
+            return
+        try:
+            store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
+                                  timeout=datetime.timedelta(seconds=timeout))
+            self.store = dist.PrefixStore(f"nanozero/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        except RuntimeError:  # unreachable (node 0's torchrun ended): nobody to tell, nobody to hear
+            self.lost = True
+
+    def tell(self, line, before_meeting=False):
+        """Leaves this rank's line for the others (after it has said why itself); returns the line of the rank that
+        stopped first if that was another (this rank's stop may follow from it), else None."""
+        if self.store is None:
+            return None
+        mine = (f"rank {self.rank} on node {self.node} ({socket.gethostname()}) stopped"
+                f"{' before the ranks met' * before_meeting}: {line}")
+        try:
+            first = self.store.compare_set('stopped', '', mine).decode()
+            self.store.set(f'read/{self.rank}', '1')
+        except RuntimeError:  # the store went with node 0's torchrun: its ranks have ended
+            return None
+        atexit.register(self.wait_until_read, 10.0 if before_meeting else 2.0)
+        return None if first == mine else first
+
+    def wait_until_read(self, linger):
+        keys, end = [f'read/{r}' for r in range(self.world_size)], time.monotonic() + linger
+        try:
+            while not self.store.check(keys) and time.monotonic() < end:
+                time.sleep(0.05)
+        except RuntimeError:
+            pass
+
+    def watch(self, met, quiet_for):
+        """Beside a rank from its rendezvous to its end: stops it when another machine's rank stopped on its own;
+        while it waits at the rendezvous (until `met` is set), says after quiet_for seconds what for (e.g. RANK and
+        WORLD_SIZE set by hand, the other ranks never started), once a machine: a wait is never silent."""
+        says, since, told = first_on_machine(), time.monotonic(), False
+        theirs, read_at = None, None  # the line it stops with, and when it read a line
+        while not (self.store is None and met.is_set()) and not self.ended.wait(1.0 if met.is_set() else min(0.5, quiet_for)):
+            if self.lost and not met.is_set() and theirs is None:  # the rendezvous cannot happen
+                theirs, read_at = (f"torchrun's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} is gone "
+                                   "before the ranks met: node 0's torchrun ended (its log says why)"), time.monotonic()
+            elif self.store is not None and read_at is None and (line := self.line()) is not None:
+                read_at = self.mark_read()
+                if not line.split(' (', 1)[0].endswith(f' on node {self.node}'):  # "rank R on node N (host) ..."
+                    theirs = line  # (its own machine's line: its torchrun ends it)
+            if theirs is not None and (says or time.monotonic() - read_at > 5):  # the machine's first rank says it,
+                self.stop(theirs, says)  # then its torchrun ends the others (theirs alone would end it unsaid)
+            if says and not told and not met.is_set() and time.monotonic() - since >= quiet_for:
+                told = True
+                print(f"rank {self.rank}: still waiting for the other {self.world_size - 1} rank(s) at "
+                      f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} after {quiet_for:g} s: are they "
+                      "started, with the same WORLD_SIZE and MASTER_ADDR:MASTER_PORT? (a rank that stopped before this "
+                      "point said why in its machine's log)", file=sys.__stderr__, flush=True)
+
+    def line(self):
+        try:
+            return self.store.get('stopped').decode() if self.store.check(['stopped']) else None
+        except RuntimeError:  # node 0's torchrun ended
+            self.store, self.lost = None, True
+            return None
+
+    def mark_read(self):
+        with contextlib.suppress(RuntimeError):
+            self.store.set(f'read/{self.rank}', '1')
+        return time.monotonic()
+
+    def stop(self, line, says):
+        if says:  # (not sys.stderr: inside an excepthook torch's own, around it, holds sys.stderr in a buffer)
+            print(f"rank {self.rank}: stopping: {line}", file=sys.__stderr__, flush=True)
+        sys.stdout.flush()  # os._exit flushes nothing: the log's last lines
+        os._exit(1)
+
+
+def tell_on_a_crash():
+    """sys.excepthook for a run's ranks (under torchrun, across ranks): an exception nothing caught is told to the
+    others, and if another rank stopped first, said as that rank's stop in one line (this one's most likely follows
+    from it: gloo's peer gone), not a traceback. Install it before the process group: torch's own, which prefixes
+    [rankN] to each line, then goes around it."""
+    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or launched_world_size() == 1:
+        return
+    previous_hook = sys.excepthook
+
+    def hook(kind, e, tb):
+        message = str(e).strip().splitlines()[0] if str(e).strip() else ''
+        first = Stops().tell(f"{kind.__name__}: {message}", before_meeting=not dist.is_initialized())
+        if first is None:
+            return previous_hook(kind, e, tb)
+        print(f"rank {os.environ['RANK']}: stopping: {first} (then here: {kind.__name__})", file=sys.__stderr__,
+              flush=True)
+    sys.excepthook = hook
+
+
+def end_watch(stops, watcher):
+    """At exit: the watcher ends before Python does (its store calls time out in 5 s), never inside a store call as
+    Python finalizes ([Note: the end of a run])."""
+    stops.ended.set()
+    watcher.join(timeout=10)
+
+
+def free_port():
+    """A TCP port nothing listens on now (the OS's pick, let go at once)."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def restart_store():
+    """After torchrun restarts the workers (--max-restarts), they rendezvous in torchrun's own TCP store again,
+    which still holds the dead attempt's keys (the ranks' addresses): gloo then connects to dead processes
+    (pytorch/pytorch#135712). A key prefix per attempt keeps each attempt to itself. None: the default store."""
+    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
+    if attempt == '0' or os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+        return None
+    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), int(os.environ['WORLD_SIZE']),
+                          is_master=False)
+    return dist.PrefixStore(f'nanozero/attempt{attempt}', store)
+
+
+# [Note: the end of a run] A gloo collective runs on one of gloo's worker threads. The caller sees it complete
+# and moves on; a moment later the worker lets go of the collective's tensors, and because a tensor made in
+# Python has a Python object, dropping the last C++ reference besides that object's takes the GIL. If Python
+# is shutting down by then, the worker cannot take it and the process aborts ("terminate called without an
+# active exception") after a run that succeeded. A final dist.barrier() makes that likely, not rare: it keeps
+# the collectives still on a worker when it was called, their tensors included, until the barrier itself is let
+# go, on a worker, after the caller has returned. A core dump of bench.py zero, which ended so 4 times in about
+# 105 runs on 2 CPU cores (torch 2.13), shows the worker in ~AsyncBarrierWork -> ~AsyncAllgatherWork ->
+# TensorImpl::decref_pyobject -> take_gil -> pthread_exit, while Python collects garbage on its way out.
+# So a run ends with an all-reduce of a tensor it keeps (a barrier that keeps nothing alive) and waits, the GIL
+# released, until gloo holds none of that tensor nor of `held`, the tensors of the caller's last collectives:
+# until each one's C++ use count is back to the 1 of its own Python object. Earlier collectives' tensors are let
+# go while the rank waits in that all-reduce and sleeps (their workers get the GIL then). NCCL runs its work on
+# the GPU's streams and is left to destroy_process_group.
+# That wait covers the tensors it knows; destroy_process_group covers the rest, by destroying the group, whose
+# destructor lets go of the GIL and joins gloo's workers while Python is whole. It can only do so if nothing else
+# holds the group, and torch itself did: torch.distributed.nn.functional writes `group=group.WORLD` as a default
+# argument of ten functions, evaluated when the module is first imported, and torch._dynamo imports it (meta
+# init and torch.compile import torch._dynamo). Imported after init_process_group, it kept the default group in
+# those defaults for good, its workers alive into the shutdown: a short train.py run aborted so at exit once in
+# 177 (2 ranks on 2 CPU cores). Imported before any group exists (3 ms), the defaults hold None, and the group
+# goes at destroy_process_group (or, under DDP, which holds it too, when the engine goes: still before shutdown).
+# Any module that takes group.WORLD as a default must be imported before the group starts: bench.py zero does so for
+# ZeroRedundancyOptimizer's. After FSDP2 (bench.py zero's fsdp2 kind, test_zero.py's oracle), DTensor's caches hold
+# its DeviceMesh, hence the group: sharding propagation's (one of them in C++), redistribution's plans and transforms,
+# the mesh's topology (clip_grad_norm_ and full_tensor fill the last two), and the sharded module sits in reference
+# cycles. So the end empties those caches and collects the cycles (let_go_of_dtensor_caches), once the caller has let
+# go of its engines: bench.py zero drops them first; train.py's are gone when main returns, before shutdown. Under
+# torch 2.11 (the GPU machines' torch) a cache we cannot reach by name keeps the mesh even so, from fully_shard on;
+# a mesh holds its process groups in its `_pg_registry`, so the end empties that of every mesh still alive.
+
+
+# torch's caches that keep a DeviceMesh (so its process group) after the DTensors that used it are gone; private
+# names (torch 2.13): where one is missing, it is skipped
+DTENSOR_CACHES = (('torch.distributed.tensor.debug', '_clear_sharding_prop_cache'),  # op sharding, Python and C++
+                  ('torch.distributed.tensor._redistribute', 'clear_redistribute_planner_cache'),
+                  ('torch.distributed.tensor._redistribute', '_gen_transform_infos.cache_clear'),
+                  ('torch.distributed.tensor._collective_utils', 'MeshTopoInfo.build_from_mesh.cache_clear'))
+
+
+def let_go_of_dtensor_caches():
+    """Empty DTENSOR_CACHES, collect the cycles a sharded module leaves and empty the process groups of the meshes still
+    alive, if DTensor ran: [Note: the end of a run]."""
+    if 'torch.distributed.tensor' not in sys.modules:
+        return
+    for module, path in DTENSOR_CACHES:
+        try:
+            clear = importlib.import_module(module)
+        except ImportError:
+            continue
+        for name in path.split('.'):
+            clear = getattr(clear, name, None)
+        if clear is not None:
+            clear()
+    gc.collect()
+    DeviceMesh = getattr(sys.modules.get('torch.distributed.device_mesh'), 'DeviceMesh', None)
+    if DeviceMesh is None:
+        return
+    # (by the type's mro, not isinstance: DeviceMesh's metaclass asks each object for its __class__, and some of
+    # torch's objects warn when asked)
+    for mesh in (obj for obj in gc.get_objects() if DeviceMesh in type(obj).__mro__):
+        getattr(mesh, '_pg_registry', {}).clear()  # (torch 2.11: nothing else lets go of the mesh)
+
+
+def end_process_group(device, *held, timeout=10.0):
+    """Every rank done, then the default process group goes, no gloo worker left holding a tensor of ours."""
+    done = torch.ones(1, device=device)
+    dist.all_reduce(done)
+    done.item()  # every rank is here (NCCL returns once the all-reduce is queued: this waits for its end)
+    deadline = time.monotonic() + timeout
+    while dist.get_backend() == 'gloo' and any(t._use_count() > 1 for t in (done, *held)):
+        if time.monotonic() > deadline:  # e.g. `held` still viewed by the caller: say so, go
+            warnings.warn(f"gloo still holds a tensor {timeout:g} s after the last collective; ending anyway")
+            break
+        time.sleep(1e-3)  # the GIL released: the worker takes it to let go
+    let_go_of_dtensor_caches()  # FSDP2's mesh, and so the group, held by them
+    dist.destroy_process_group()
+
+# -----------------------------------------------------------------------------
+# profile=True
+
+
+def start_profiler(out_dir, rank, device):
+    """train.py's profile=True: a torch.profiler trace of the run's iterations 2-4 (iteration 1 warms the profiler up),
+    with the named ranges of our collectives and their waits (traced) to see the overlap."""
+    os.makedirs(out_dir, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == 'cuda' else [])
+    path = os.path.join(out_dir, f'trace_rank{rank}.json')
+    # repeat=1: one wait/warmup/active cycle; without it the schedule cycles until the end of the run
+    profiler = torch.profiler.profile(activities=activities, on_trace_ready=lambda p: p.export_chrome_trace(path),
+                                      schedule=torch.profiler.schedule(wait=0, warmup=1, active=3, repeat=1))
+    profiler.start()
+    return profiler
+
+
+def profiler_step(profiler, out_dir, log):
+    """After each iteration. The trace's ProfilerStep#1-#3 are iterations 2-4; after the 4th the trace is written and
+    the profiler stopped (None is returned), so nothing profiles or slows the rest of the run."""
+    profiler.step()
+    if profiler.step_num < 4:
+        return profiler
+    profiler.stop()
+    log(f"profiler trace of iterations 2-4: {out_dir}/trace_rank{{r}}.json (open in https://ui.perfetto.dev)")
+    return None
