@@ -808,7 +808,7 @@ def test_on_nccl_the_end_waits_for_no_tensor_held(gloo_world, monkeypatch):
 GLOO_THREADS_AFTER_THE_END = """
 import os, sys, torch
 sys.path.insert(0, os.getcwd())
-import comm  # first, as train.py and the benches import it
+import comm, launch  # first, as train.py and the benches import them
 import torch.distributed as dist
 def gloo_threads():
     names = [open(f'/proc/self/task/{tid}/comm').read().strip() for tid in os.listdir('/proc/self/task')]

@@ -351,7 +351,7 @@ def test_the_cpu_tests_stay_on_cpu_and_gloo_when_a_gpu_is_present(tmp_path):
     # on the CPU, and every train.py command the tests build still says cpu and gloo
     code = AS_ON_A_GPU_MACHINE + f"""
 import torch.distributed as dist
-import comm, test_checkpoint, test_train, test_zero, train
+import launch, test_checkpoint, test_train, test_zero, train
 assert train.DEFAULTS['device'] == 'cuda' and train.DEFAULTS['dtype'] == 'bfloat16'  # the GPU machine's defaults
 dist.init_process_group('gloo', init_method='file://{tmp_path}/init', rank=0, world_size=1)
 model = test_zero.tiny_model(0)  # built, not stepped: torch.optim itself would ask the (absent) GPU for its stream
