@@ -6,9 +6,8 @@ start_process_group starts a rank's process group: its device (under torchrun, t
 backend (nccl on GPUs, gloo on CPUs), a rendezvous of its own after each torchrun restart (restart_store). train.py's
 start-up checks compare what every rank has before a step (gather_objects, ranks_where, MachineError for what one
 machine lacks). Beside each rank, Stops watches for a rank that stops on its own, so that a job across machines
-never waits for torch's timeout ([Note: a rank that stops on its own]). profile=True's trace (start_profiler,
-profiler_step), and end_process_group, which ends a run without leaving a gloo thread to abort it at exit
-([Note: the end of a run]).
+never waits for torch's timeout ([Note: a rank that stops on its own]). end_process_group ends a run without leaving
+a gloo thread to abort it at exit ([Note: the end of a run]). And profile=True's trace: start_profiler, profiler_step.
 """
 import atexit
 import contextlib
@@ -27,8 +26,8 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  before any process group: [Note: the end of a run]
 
 # -----------------------------------------------------------------------------
-# A run's process group: its start (start_process_group, restart_store), its watch (Stops) and its end
-# (end_process_group)
+# A run's process group: the start-up checks' collectives, its start (start_process_group, restart_store), its watch
+# (Stops) and its end (end_process_group)
 
 
 def gather_objects(obj):
@@ -98,7 +97,7 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
         torch.cuda.set_device(device)
     backend = backend or ('nccl' if device.type == 'cuda' else 'gloo')
     rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
-    met, stops = threading.Event(), Stops()
+    met, stops = threading.Event(), Stops(timeout=10.0)
     watcher = threading.Thread(target=stops.watch, args=(met, quiet_for), daemon=True)
     watcher.start()
     atexit.register(end_watch, stops, watcher)
@@ -121,14 +120,15 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
 # and stops with it; a line of its own machine's it only marks read (its torchrun ends it). A rank that raises after
 # the line is there says that line, not its traceback. At its exit the rank that stopped waits (up to 2 s; 10 before
 # the ranks meet, where some may be slow to arrive) until every rank has read it: node 0's torchrun holds the store,
-# and ends, store and all, once node 0's ranks have. Under torchrun only (its store; the static rendezvous of
-# --master_addr, or --standalone: the keys of a restart carry its count, which every machine's torchrun counts alike
-# only when all of them restart together). Costs a connection and a request a second per rank at node 0's store.
+# and ends, store and all, once node 0's ranks have. Under torchrun only, as the README launches it (--master_addr's
+# static rendezvous, or --standalone): the keys of an attempt carry torchrun's restart count, which the machines count
+# alike only when all of them restart together, not in an elastic job whose machines come and go. It costs a connection
+# and a request a second per rank at node 0's store.
 class Stops:
     """This rank's side of [Note: a rank that stops on its own]: tell (it stops) and watch (for another's line)."""
 
     def __init__(self, timeout=5.0):
-        self.rank, self.world_size = int(os.environ.get('RANK', 0)), launched_world_size()
+        self.rank, self.world_size, self.timeout = int(os.environ.get('RANK', 0)), launched_world_size(), timeout
         self.node, self.store, self.lost = os.environ.get('GROUP_RANK', '0'), None, False
         self.ended = threading.Event()  # set at exit: the watcher stops before Python does
         if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or self.world_size == 1:
@@ -137,7 +137,7 @@ class Stops:
             store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
                                   timeout=datetime.timedelta(seconds=timeout))
             self.store = dist.PrefixStore(f"nanozero/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        except RuntimeError:  # unreachable (node 0's torchrun ended): nobody to tell, nobody to hear
+        except RuntimeError:  # no answer in `timeout` s (node 0's torchrun ended): nobody to tell, nobody to hear
             self.lost = True
 
     def tell(self, line, before_meeting=False):
@@ -152,8 +152,10 @@ class Stops:
             self.store.set(f'read/{self.rank}', '1')
         except RuntimeError:  # the store went with node 0's torchrun: its ranks have ended
             return None
+        if first != mine:
+            return first
         atexit.register(self.wait_until_read, 10.0 if before_meeting else 2.0)
-        return None if first == mine else first
+        return None
 
     def wait_until_read(self, linger):
         keys, end = [f'read/{r}' for r in range(self.world_size)], time.monotonic() + linger
@@ -168,11 +170,14 @@ class Stops:
         while it waits at the rendezvous (until `met` is set), says after quiet_for seconds what for (e.g. RANK and
         WORLD_SIZE set by hand, the other ranks never started), once a machine: a wait is never silent."""
         says, since, told = first_on_machine(), time.monotonic(), False
-        theirs, read_at = None, None  # the line it stops with, and when it read a line
-        while not (self.store is None and met.is_set()) and not self.ended.wait(1.0 if met.is_set() else min(0.5, quiet_for)):
+        theirs, read_at = None, None  # the line it stops with, and when it read a line (None: not yet)
+        while not (self.store is None and met.is_set()):  # (no store to watch, once the ranks met: a run alone)
+            if self.ended.wait(1.0 if met.is_set() else min(0.5, quiet_for)):
+                return
             if self.lost and not met.is_set() and theirs is None:  # the rendezvous cannot happen
-                theirs, read_at = (f"torchrun's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} is gone "
-                                   "before the ranks met: node 0's torchrun ended (its log says why)"), time.monotonic()
+                theirs, read_at = (f"torchrun's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} did not "
+                                   f"answer for {self.timeout:g} s before the ranks met: node 0's torchrun ended, or its "
+                                   "machine is out of reach (its log says why)"), time.monotonic()
             elif self.store is not None and read_at is None and (line := self.line()) is not None:
                 read_at = self.mark_read()
                 if not line.split(' (', 1)[0].endswith(f' on node {self.node}'):  # "rank R on node N (host) ..."
@@ -221,14 +226,16 @@ def tell_on_a_crash():
             return previous_hook(kind, e, tb)
         print(f"rank {os.environ['RANK']}: stopping: {first} (then here: {kind.__name__})", file=sys.__stderr__,
               flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # said: before its watcher, reading the same line, says it again
     sys.excepthook = hook
 
 
 def end_watch(stops, watcher):
-    """At exit: the watcher ends before Python does (its store calls time out in 5 s), never inside a store call as
-    Python finalizes ([Note: the end of a run])."""
+    """At exit: the watcher ends before Python does, not inside a store call as Python finalizes ([Note: the end of a
+    run]): at once, or, from a store that stopped answering, after its calls' timeouts."""
     stops.ended.set()
-    watcher.join(timeout=10)
+    watcher.join(timeout=3 * stops.timeout + 1)  # a poll's three calls
 
 
 def free_port():

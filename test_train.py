@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 import bench_train
 import bench_zero
-import comm
 import launch
 import configurator
 import train
@@ -506,6 +505,7 @@ def test_a_rank_that_stops_on_its_own_is_read_by_every_rank_and_the_first_line_s
     finally:
         dist.destroy_process_group()
     assert capfd.readouterr().err == f"rank 1: stopping: {line} (then here: RuntimeError)\n" and shown == []
+    assert exits == [1, 1] and len(at_exit) == 0  # and it ends at once: no wait, no second line from its watcher
     waits.join(timeout=2)  # every rank has read it
     assert not waits.is_alive() and store.get('stopped').decode() == line
 
@@ -513,15 +513,15 @@ def test_a_rank_that_stops_on_its_own_is_read_by_every_rank_and_the_first_line_s
     met = threading.Event()
     met.set()
     watch(2, met, until=lambda: time.sleep(1.2) or True)  # rank 2, mid-run
-    assert exits == [1]  # nothing to read: it watched on
+    assert exits == [1, 1]  # nothing to read: it watched on
     as_rank(1)
     monkeypatch.setattr(launch.dist, 'is_initialized', lambda: True)  # the ranks met
     sys.excepthook(RuntimeError, RuntimeError('CUDA out of memory\nmore'), None)  # rank 1 raises, the first to stop
     store = dist.PrefixStore('nanozero/attempt2', server)
     watch(3, met, until=lambda: store.check(['read/3']) and not time.sleep(0.5))  # node 1's second rank: it leaves
-    assert exits == [1]  # the line to its machine's first (its torchrun then ends it; 5 s later it stops unsaid)
-    watch(2, met, until=lambda: len(exits) == 2)
-    assert shown == [RuntimeError] and exits == [1, 1]  # its traceback (the hook before ours), and rank 2 stopped
+    assert exits == [1, 1]  # the line to its machine's first (its torchrun then ends it; 5 s later it stops unsaid)
+    watch(2, met, until=lambda: len(exits) == 3)
+    assert shown == [RuntimeError] and exits == [1, 1, 1]  # its traceback (the hook before ours), and rank 2 stopped
     assert capfd.readouterr().err == f"rank 2: stopping: rank 1 on node 0 ({host}) stopped: RuntimeError: CUDA out of memory\n"
 
 
@@ -1120,7 +1120,7 @@ def test_a_rank_that_raises_mid_run_stops_the_other_machines_with_its_line(tmp_p
     codes, outs = two_nodes([['train.py', *args], [str(tmp_path / 'raising.py'), *args]], nproc=2)
     assert codes == [1, 1] and 'iter 2:' in outs[0][0] and 'iter 4:' not in outs[0][0], outs
     line = f"rank 3 on node 1 ({socket.gethostname()}) stopped: RuntimeError: CUDA out of memory (a stand-in)"
-    assert outs[0][1].startswith(f"rank 0: stopping: {line}"), outs[0][1][-3000:]
+    assert outs[0][1].startswith(f"rank 0: stopping: {line}") and outs[0][1].count('rank 0: stopping') == 1, outs[0][1]
     assert 'Traceback' not in outs[0][1].split('failed (exitcode: 1)')[0]  # (torchrun's own report follows)
     assert '[rank3]: RuntimeError: CUDA out of memory (a stand-in)' in outs[1][1], outs[1][1][-3000:]  # as ever
 

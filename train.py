@@ -211,7 +211,7 @@ def prepare_data(cfg, rank, device):
     """Shakespeare (GPT-2 tokens or characters) is prepared on first use: by rank 0, then by each other machine's first
     rank where it is still not there (each machine's own data/, not one shared by all); the others wait. One that
     fails (offline, a disk full) stops every rank, not only its own: its machine's first rank says why."""
-    for turn in (rank == 0, rank > 0 and launch.first_on_machine()):
+    for turn in (rank == 0, rank > 0 and os.environ.get('LOCAL_RANK', '0') == '0'):
         why = ''
         if turn and cfg['dataset'] in PREPARED_ON_FIRST_USE and not os.path.exists(os.path.join(data_dir(cfg), 'meta.json')):
             try:  # (meta.json is written last)
