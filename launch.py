@@ -211,12 +211,10 @@ class Stops:
 
 
 def tell_on_a_crash():
-    """sys.excepthook for a run's ranks (under torchrun, across ranks): an exception nothing caught is told to the
-    others, and if another rank stopped first, said as that rank's stop in one line (this one's most likely follows
-    from it: gloo's peer gone), not a traceback. Install it before the process group: torch's own, which prefixes
-    [rankN] to each line, then goes around it."""
-    if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or launched_world_size() == 1:
-        return
+    """sys.excepthook for a run's ranks: an exception nothing caught is told to the others (under torchrun, across
+    ranks; else the traceback as ever), and if another rank stopped first, said as that rank's stop in one line (this
+    one's most likely follows from it: gloo's peer gone), not a traceback. Install it before the process group:
+    torch's own, which prefixes [rankN] to each line, then goes around it."""
     previous_hook = sys.excepthook
 
     def hook(kind, e, tb):

@@ -28,9 +28,9 @@ import zlib
 import torch
 import torch.distributed as dist
 
-import launch
 import configurator
 import kernels
+import launch
 
 FORMAT = 1  # of the manifest that checkpoint.save writes
 SHAPE_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size')  # dropout may change on resume
