@@ -19,11 +19,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import launch
 import kernels
+import launch
 import memory
 import train
 import zero
+from estimate import main as estimate_main  # (estimate, below: the command run in a process)
 from model import GPT, GPTConfig
 from test_comm import build, fake_world  # noqa: F401  fake_world: a fixture, for the tests below
 from test_train import torchrun
@@ -91,8 +92,8 @@ def test_estimate_prints_the_paper_tables_exactly(psi, world):
     (['--params', 'nan', '--world', '8'], "--params=nan: use a number above 0"),
     (['--params', '1e9', '--world', '8', '--gpu_gb', 'inf'], "--gpu_gb=inf: use a number above 0")])
 def test_estimate_refuses_what_it_cannot_estimate_in_one_line(capsys, args, message):
-    with pytest.raises(SystemExit) as e:  # memory.main is `python zero.py estimate`
-        memory.main(['estimate', *args])
+    with pytest.raises(SystemExit) as e:  # estimate.main is `python zero.py estimate`
+        estimate_main(['estimate', *args])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.splitlines()[-1].startswith(f"python zero.py estimate: error: {message}"), err
 

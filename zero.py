@@ -554,5 +554,5 @@ def build_engine(model, cfg, units=(), process_group=None, device=None):
 
 
 if __name__ == '__main__':
-    import memory
-    memory.main(sys.argv[1:])
+    import estimate
+    estimate.main(sys.argv[1:])
