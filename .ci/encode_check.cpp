@@ -14,7 +14,7 @@ int main(int argc, char** argv) {
   FILE* f = fopen(argv[1], "rb");
   if (!f || fread(tables.data(), 4, 512, f) != 512 || fread(buckets.data(), 4, 2 << 16, f) != 2 << 16) return 2;
   fclose(f);
-  const CodeMap maps[2] = {code_map(tables.data() + SIGNED_MAP), code_map(tables.data() + UNSIGNED_MAP)};
+  const CodeMap maps[2] = {code_map(tables.data() + SIGNED_MAP, nullptr), code_map(tables.data() + UNSIGNED_MAP, nullptr)};
   int64_t values = 0, wrong[2] = {0, 0};
   #pragma omp parallel for reduction(+:values) schedule(dynamic, 1)
   for (int64_t chunk = 0; chunk < (1 << 16); ++chunk) {
@@ -28,10 +28,8 @@ int main(int argc, char** argv) {
     if (n == 0) continue;
     values += n;
     for (; n % 256; ++n) x[n] = 0.0f;
-    for (int j = 0; j < n; j += 256) {
-      encode<true>(x + j, 1.0f, maps[0], codes[0] + j);  // scale 1: x / 1 is x
-      encode<false>(x + j, 1.0f, maps[1], codes[1] + j);
-    }
+    for (int j = 0; j < n; j += 256)  // scale 1: x / 1 is x; the same x as m (signed map) and as v (unsigned)
+      encode_block<false>(x + j, 1.0f, x + j, 1.0f, maps, codes[0] + j, codes[1] + j, {});
     for (int j = 0; j < n; ++j) {
       const uint8_t want[2] = {code_of<true>(x[j], buckets.data() + SIGNED_BUCKETS),
                                code_of<false>(x[j], buckets.data() + UNSIGNED_BUCKETS)};

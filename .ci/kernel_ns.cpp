@@ -1,7 +1,8 @@
 // The CPU kernel's step in cache, one thread, no Python in the way: ns an element for each storage-precision mode of
 // bench.py kernels --modes (fp32 grads, 64K elements, the best of 400 calls). Run by `python .ci/cpu_kernel.py time`;
 // compiler flags after `time` (e.g. -DNAME) build a variant of csrc/ under #ifdef NAME. With AVX-512 VBMI it also
-// times the 8-bit block's byte-permute parts alone, ns a value (a step's element has two: its m and its v).
+// times the 8-bit block's byte-permute parts alone, ns an element (its m and its v): the encode, the decode, and the
+// encode with the next block's decode between ([Note: encoding a block while decoding the next]).
 #include "../csrc/adamw_cpu.cpp"
 #include <chrono>
 #include <cstdio>
@@ -47,22 +48,24 @@ int main(int argc, char** argv) {
     printf("%-40s %.3f ns an element\n", mode.name, best * 1e9 / n);
   }
 #if defined(__AVX512VBMI__)
-  const CodeMap maps[2] = {code_map(tables.data() + SIGNED_MAP), code_map(tables.data() + UNSIGNED_MAP)};
-  alignas(64) static float x[64 * 256]; alignas(64) static uint8_t codes[64 * 256];  // 64 blocks: in cache
-  for (int j = 0; j < 64 * 256; ++j) x[j] = normal(rng) * 0.01f;
+  const CodeMap maps[2] = {code_map(tables.data() + SIGNED_MAP, nullptr), code_map(tables.data() + UNSIGNED_MAP, nullptr)};
+  alignas(64) static float x[2][64 * 256]; alignas(64) static uint8_t codes[2][64 * 256];  // 64 blocks: in cache
+  for (int j = 0; j < 64 * 256; ++j) x[0][j] = normal(rng) * 0.01f, x[1][j] = x[0][j] * x[0][j];
   for (int part = 0; part < 3; ++part) {
     double best = 1e30;
     for (int r = 0; r < 2000; ++r) {
       const auto t0 = std::chrono::steady_clock::now();
       for (int b = 0; b < 64; ++b) {
-        if (part == 0) encode<true>(x + 256 * b, 0.05f, maps[0], codes + 256 * b);
-        else if (part == 1) encode<false>(x + 256 * b, 0.05f, maps[1], codes + 256 * b);
-        else decode(codes + 256 * b, maps[0], 0.05f, x + 256 * b);
+        const int at = 256 * b, next = 256 * ((b + 1) % 64);
+        const Block block{codes[0] + next, codes[1] + next, 0.05f, 0.0025f, x[0] + next, x[1] + next};
+        if (part == 0) encode_block<false>(x[0] + at, 0.05f, x[1] + at, 0.0025f, maps, codes[0] + at, codes[1] + at, {});
+        else if (part == 1) decode_block({codes[0] + at, codes[1] + at, 0.05f, 0.0025f, x[0] + at, x[1] + at}, maps);
+        else encode_block<true>(x[0] + at, 0.05f, x[1] + at, 0.0025f, maps, codes[0] + at, codes[1] + at, block);
       }
       best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-    const char* names[3] = {"  part: encode, signed map (m)", "  part: encode, unsigned map (v)", "  part: decode"};
-    printf("%-40s %.3f ns a value\n", names[part], best * 1e9 / (64 * 256));
+    const char* names[3] = {"  part: encode (m and v)", "  part: decode (m and v)", "  part: encode + next's decode"};
+    printf("%-40s %.3f ns an element\n", names[part], best * 1e9 / (64 * 256));
   }
 #endif
 }

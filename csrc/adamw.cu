@@ -25,7 +25,8 @@ __global__ void adamw_kernel(const AdamWArgs a, int64_t begin, int64_t end) {
     for (int k = 0; k < N; ++k) {
       float mk = to_float(m.x[k]), vk = to_float(v.x[k]);
       const float decay = i + k < a.decay_numel ? a.decay : 1.0f;  // [Note: weight decay as one index]
-      bad |= adamw_element<W>(a, i + k, decay, to_float(grad.x[k]), mk, vk, master.x[k], param.x[k]);
+      bad |= adamw_element<W>(a, index_of(a.index_offset + i + k), decay, to_float(grad.x[k]), mk, vk, master.x[k],
+                              param.x[k]);
       from_float(mk, m.x[k]); from_float(vk, v.x[k]);
     }
     store(a.exp_avg, i, m); store(a.exp_avg_sq, i, v); store(a.master, i, master); store(a.param, i, param);
@@ -146,7 +147,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSM) adamw_block_kernel(
         m[k] = maps[SIGNED_MAP + code_at(codes_m, k)] * old_absmax_m;  // = dequantize(), without the CPU's signed
         v[k] = maps[UNSIGNED_MAP + code_at(codes_v, k)] * old_absmax_v;  // indexing
         const float decay = k * step < decaying ? a.decay : 1.0f;
-        bad |= adamw_element<W, true>(a, i + k * step, decay, to_float(grad[k]), m[k], v[k], master[k], param[k]);
+        bad |= adamw_element<W, true>(a, index_of(a.index_offset + i + k * step), decay, to_float(grad[k]), m[k], v[k],
+                                      master[k], param[k]);
         absmax_m = fmaxf(absmax_m, fabsf(m[k])); absmax_v = fmaxf(absmax_v, fabsf(v[k]));  // fmaxf drops a NaN
       }
       store8(a.master, i, vec, master); store8(a.param, i, vec, param);

@@ -90,13 +90,17 @@ HD uint32_t lowbias32(uint32_t x) {
   x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16; return x;
 }
 HD uint32_t rounding_key(uint32_t seed, uint32_t step) { return lowbias32(lowbias32(seed) ^ step); }  // once a step
+// An element's index in the full flat buffer as the hash reads it: the low half, and the high half times an odd constant
+// (folded in by one xor). A type of its own so that the CPU's loops carry it in 32-bit lanes: the high half changes
+// once in 2^32 elements (IndexFrom, adamw_cpu.cpp), where an int64 index takes 64-bit lanes and converts.
+struct Index { uint32_t low, high_mixed; };
+constexpr uint32_t kHighMix = 0x9E3779B9u;
+HD Index index_of(int64_t i) { return {(uint32_t)i, (uint32_t)((uint64_t)i >> 32) * kHighMix}; }
 // one mix an element, of an odd multiple of the index plus the step's key: [Note: stochastic rounding, reproducibly]
-HD uint32_t rounding_hash(uint32_t key, int64_t index) {
-  const uint32_t folded = (uint32_t)index ^ (uint32_t)((uint64_t)index >> 32) * 0x9E3779B9u;  // the high half folded in
-  return lowbias32(folded * (key | 1u) + key);
-}
+HD uint32_t rounding_hash(uint32_t key, Index at) { return lowbias32((at.low ^ at.high_mixed) * (key | 1u) + key); }
 
-// Weights policies: where the fp32 weights come from and where they go. param_t is read only if reads_param.
+// Weights policies: where the fp32 weights come from and where they go. param_t is read only if reads_param; `at`, the
+// element's index in the flat buffer, only by the stochastic rounding.
 HD void cast(float, Empty&) {}
 HD void cast(float x, float& p) { p = x; }
 HD void cast(float x, bf16& p) { p = bf16_away(x); }
@@ -105,7 +109,7 @@ HD void cast(float x, fp16& p) { p = fp16_nearest_even(x); }
 template <class P> struct Fp32Master {  // the fp32 master, and a compute param (none, fp32, bf16, fp16) cast from it
   using master_t = float; using param_t = P; static constexpr bool reads_param = false;
   static HD float load(float master, P) { return master; }
-  static HD void store(const AdamWArgs&, int64_t, float x, float& master, P& param) { master = x; cast(x, param); }
+  static HD void store(const AdamWArgs&, Index, float x, float& master, P& param) { master = x; cast(x, param); }
 };
 struct Remainder {  // [Note: remainder master]
   using master_t = int16_t; using param_t = bf16; static constexpr bool reads_param = true;
@@ -113,7 +117,7 @@ struct Remainder {  // [Note: remainder master]
     const uint32_t high = (uint16_t)(param.bits - (low < 0));  // a negative remainder: the bf16 was rounded up
     return float_of(high << 16 | (uint16_t)low);
   }
-  static HD void store(const AdamWArgs&, int64_t, float x, int16_t& low, bf16& param) {
+  static HD void store(const AdamWArgs&, Index, float x, int16_t& low, bf16& param) {
     param = bf16_away(x);
     low = (int16_t)(uint16_t)bits_of(x);
   }
@@ -121,8 +125,8 @@ struct Remainder {  // [Note: remainder master]
 template <bool stochastic> struct NoMaster {  // the bf16 param is the only copy of the weights
   using master_t = Empty; using param_t = bf16; static constexpr bool reads_param = true;
   static HD float load(Empty, bf16 param) { return to_float(param); }
-  static HD void store(const AdamWArgs& a, int64_t i, float x, Empty&, bf16& param) {
-    param = stochastic ? bf16_round(x, rounding_hash(rounding_key(a.seed, a.step), a.index_offset + i) & 0xFFFFu)
+  static HD void store(const AdamWArgs& a, Index at, float x, Empty&, bf16& param) {
+    param = stochastic ? bf16_round(x, rounding_hash(rounding_key(a.seed, a.step), at) & 0xFFFFu)
                        : bf16_nearest_even(x);
   }
 };
@@ -204,7 +208,7 @@ template <bool may_be_inf = true> HD float divide_by_reciprocal(float x, float d
 // exactly]; the same reciprocal every element, computed once after inlining (kernels.adamw_step takes 0 <= beta2 < 1,
 // so bias_correction2_sqrt is in [2^-27, 1], in the domain).
 template <class W, bool kByReciprocal = false>
-HD bool adamw_element(const AdamWArgs& a, int64_t i, float decay, float grad, float& m, float& v,
+HD bool adamw_element(const AdamWArgs& a, Index at, float decay, float grad, float& m, float& v,
                       typename W::master_t& master, typename W::param_t& param) {
   const float g = grad * a.grad_scale;
   m = fmaf(a.one_minus_beta1, g - m, m);          // exp_avg.lerp_(g, 1 - beta1)
@@ -213,7 +217,7 @@ HD bool adamw_element(const AdamWArgs& a, int64_t i, float decay, float grad, fl
   const float bc2 = a.bias_correction2_sqrt;
   const float denom = (kByReciprocal ? divide_by_reciprocal(root, bc2, 1.0f / bc2) : root / bc2) + a.eps;
   const float x = W::load(master, param) * decay - a.step_size * m / denom;  // mul_(decay).addcdiv_(m, denom, -step_size)
-  W::store(a, i, x, master, param);
+  W::store(a, at, x, master, param);
   return !(fabsf(g) < INFINITY);  // inf or NaN: one compare
 }
 
