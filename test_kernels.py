@@ -659,6 +659,36 @@ def test_every_mode_matches_the_reference(impl, weights, state, grad):
             assert ((bits(shard.param).long() - bits(ref.param).long()).abs() <= 1).all()
 
 
+@pytest.mark.parametrize("state", ["fp32", "uint8"])
+@pytest.mark.parametrize("weights", ["fp32+bf16param", "remainder", "none-stochastic"])
+def test_the_cpu_kernel_on_three_threads_matches_the_reference(weights, state):
+    # Above 65536 elements the CPU kernel runs a thread team: each thread a contiguous chunk (elementwise) or run of
+    # blocks (uint8: [Note: encoding a block while decoding the next], each run decoding its own first block). 301
+    # blocks on 3 threads (torch's OpenMP setting is the library's: the same libgomp) split 101 / 101 / 99; the decay
+    # cut mid-block in the second run, the index's high half changing in the third.
+    n = 256 * 301
+    ref = Shard(n, weights, state)
+    shard = ref.to("cpu")
+    gen = torch.Generator().manual_seed(3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for step in (1, 2):
+            g = spiky_grad(n, gen)
+            step_both("cpu", shard, ref, g, weight_decay=0.1, decay_numel=256 * 150 + 77, step=step, grad_scale=0.37,
+                      index_offset=2**32 - 256 * 250)
+    finally:
+        torch.set_num_threads(threads)
+    for out, expected in zip([shard.exp_avg, shard.exp_avg_sq, *(shard.absmax or ())],
+                             [ref.exp_avg, ref.exp_avg_sq, *(ref.absmax or ())]):
+        assert same_bits(out, expected)
+    if shard.master is not None:
+        torch.testing.assert_close(shard.weights(), ref.weights(), **TOL)
+        assert same_bits(shard.param, kernels.cast_param(shard.weights(), shard.param.dtype))
+    else:
+        assert ((bits(shard.param).long() - bits(ref.param).long()).abs() <= 1).all()
+
+
 @pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("state", ["fp32", "uint8"])
 @pytest.mark.parametrize("weights", WEIGHTS)

@@ -92,7 +92,7 @@ HD uint32_t lowbias32(uint32_t x) {
 HD uint32_t rounding_key(uint32_t seed, uint32_t step) { return lowbias32(lowbias32(seed) ^ step); }  // once a step
 // An element's index in the full flat buffer as the hash reads it: the low half, and the high half times an odd constant
 // (folded in by one xor). A type of its own so that the CPU's loops carry it in 32-bit lanes: the high half changes
-// once in 2^32 elements (IndexFrom, adamw_cpu.cpp), where an int64 index takes 64-bit lanes and converts.
+// once in 2^32 elements (IndexFrom, adamw_cpu.cpp), whereas an int64 index takes 64-bit lanes and conversions.
 struct Index { uint32_t low, high_mixed; };
 constexpr uint32_t kHighMix = 0x9E3779B9u;
 HD Index index_of(int64_t i) { return {(uint32_t)i, (uint32_t)((uint64_t)i >> 32) * kHighMix}; }

@@ -3,8 +3,9 @@
 #include <algorithm>
 #include <omp.h>
 
-// Index base + j of the flat buffer for a lane offset j in 32-bit lanes: the high half moves on where the low one wraps
-// (two instructions; an int64 index would take 64-bit lanes and conversions). Only the stochastic rounding reads it.
+// Index base + j of the flat buffer for a lane offset j < 2^32, in 32-bit lanes: the high half moves on where the low
+// one wraps (two instructions; an int64 index would take 64-bit lanes and conversions). Only the stochastic rounding
+// reads it.
 struct IndexFrom {
   Index base;
   explicit IndexFrom(int64_t first) : base(index_of(first)) {}
@@ -53,12 +54,12 @@ struct Block { uint8_t* codes_m; uint8_t* codes_v; float absmax_m, absmax_v; flo
 #include <immintrin.h>
 // The permute helpers below are inlined by force: g++ calls the bigger ones, and a call between the encode's and the
 // decode's chunks keeps them from interleaving ([Note: encoding a block while decoding the next]: 1.18 -> 1.10 ns).
-#define INLINE inline __attribute__((always_inline))
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 // planes[k][q]: byte k of table[64 q .. 64 q + 63]; decoding reads the map, encoding its midpoints and the decades
 // ([Note: a code from its decade]).
 struct CodeMap {
   __m512i planes[4][4], mid_planes[4][4];
-  __m512i order;  // byte 16 L + 4 q + e <- index 16 q + 4 L + e: undoes the interleave's order (lookup)
+  __m512i order;  // byte 16 L + 4 q + e <- index 16 q + 4 L + e: undoes the interleave's order (decode64)
   __m512i low_bytes, low_bytes_in_order;  // of two vectors of 16-bit lanes: their 64 low bytes; the same in `order`
   __m512i fraction_switch, a[2], b[2];  // 16-bit lanes: by binade (32); by binade, above its switch or not (64)
 };
@@ -89,7 +90,7 @@ static void to_planes(const float* table, __m512i (&planes)[4][4]) {
 // sign bit set, NaNs aside (its top 16 bits read as an int16 below -128, one compare), takes 253 - k of y, saturated
 // at 0; -0 takes 126, one below its code 127, which the settle adds. The unsigned map (exp_avg_sq) has no negatives:
 // y = max(0, xn). Each k is computed in a 16-bit lane, the low byte its code: one byte permute of two such vectors
-// gives the 64 codes in order, another gives them in the order the midpoint lookup wants (its first permute, above).
+// gives the 64 codes in order, another gives them in `order`, which the midpoint lookup wants as the decode does.
 // Checked for every fp32 xn in [-1, 1] and every NaN, both maps, against the buckets ([Note: a code in one load]):
 // `python .ci/cpu_kernel.py check` (2.1G values a map, 0 mismatches; ~5 s); test_kernels.py checks a dense subset
 // through the kernel.
@@ -148,7 +149,7 @@ static CodeMap code_map(const float* map, const int32_t*) {  // the buckets: for
 }
 
 // 64 table entries for 64 byte indices c already in `order`: out[q] = table[the indices 16 q .. 16 q + 15].
-static INLINE void lookup_in_order(const __m512i (&planes)[4][4], __m512i c, __m512 (&out)[4]) {
+static ALWAYS_INLINE void lookup_in_order(const __m512i (&planes)[4][4], __m512i c, __m512 (&out)[4]) {
   const __mmask64 upper = _mm512_movepi8_mask(c);  // indices >= 128: the upper 128 entries
   __m512i b[4];
   for (int k = 0; k < 4; ++k)
@@ -162,15 +163,16 @@ static INLINE void lookup_in_order(const __m512i (&planes)[4][4], __m512i c, __m
   out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
 }
 
-static INLINE void decode64(const uint8_t* codes, const CodeMap& map, __m512 absmax, float* out) {  // 64 codes
+static ALWAYS_INLINE void decode64(const uint8_t* codes, const CodeMap& map, __m512 absmax, float* out) {  // 64 codes
   __m512 f[4];
   lookup_in_order(map.planes, _mm512_permutexvar_epi8(map.order, _mm512_loadu_si512(codes)), f);
   for (int q = 0; q < 4; ++q) _mm512_store_ps(out + 16 * q, _mm512_mul_ps(f[q], absmax));
 }
 
 template <bool is_signed>
-static INLINE __m512i estimate(__m512 x0, __m512 x1, const CodeMap& map) {  // 32 codes k, 16-bit lanes: [Note: a code from
-  if (!is_signed)  // y = max(0, xn): a NaN stays (max returns its second operand)                 // its decade]
+static ALWAYS_INLINE __m512i estimate(__m512 x0, __m512 x1, const CodeMap& map) {  // 32 codes k, 16-bit lanes
+  // [Note: a code from its decade]
+  if (!is_signed)  // y = max(0, xn): a NaN stays (max returns its second operand)
     x0 = _mm512_max_ps(_mm512_setzero_ps(), x0), x1 = _mm512_max_ps(_mm512_setzero_ps(), x1);
   const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
                                        31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);  // the high halves
@@ -192,11 +194,11 @@ static INLINE __m512i estimate(__m512 x0, __m512 x1, const CodeMap& map) {  // 3
 // 64 values x / scale -> their codes in two halves: estimate (all 64 codes k, and k in `order`), then settle
 struct Estimate { __m512i k, k_in_order; };
 template <bool is_signed>
-static INLINE Estimate estimate64(const __m512 (&xn)[4], const CodeMap& map) {
+static ALWAYS_INLINE Estimate estimate64(const __m512 (&xn)[4], const CodeMap& map) {
   const __m512i k0 = estimate<is_signed>(xn[0], xn[1], map), k1 = estimate<is_signed>(xn[2], xn[3], map);
   return {_mm512_permutex2var_epi8(k0, map.low_bytes, k1), _mm512_permutex2var_epi8(k0, map.low_bytes_in_order, k1)};
 }
-static INLINE void settle64(const Estimate& e, const __m512 (&xn)[4], const CodeMap& map, uint8_t* codes) {
+static ALWAYS_INLINE void settle64(const Estimate& e, const __m512 (&xn)[4], const CodeMap& map, uint8_t* codes) {
   __m512 mid[4];
   lookup_in_order(map.mid_planes, e.k_in_order, mid);
   __mmask16 above[4];  // xn > midpoint k, or NaN
@@ -204,7 +206,6 @@ static INLINE void settle64(const Estimate& e, const __m512 (&xn)[4], const Code
   const __mmask64 up = _mm512_kunpackd(_mm512_kunpackw(above[3], above[2]), _mm512_kunpackw(above[1], above[0]));
   _mm512_storeu_si512(codes, _mm512_mask_adds_epu8(e.k, up, e.k, _mm512_set1_epi8(1)));  // 255 stays 255
 }
-
 
 static void decode_block(const Block& in, const CodeMap (&maps)[2]) {
   const __m512 absmax_m = _mm512_set1_ps(in.absmax_m), absmax_v = _mm512_set1_ps(in.absmax_v);
@@ -229,7 +230,9 @@ static void encode_block(const float* m, float scale_m, const float* v, float sc
     settle64(em, xm, maps[0], codes_m + j); settle64(ev, xv, maps[1], codes_v + j);
   }
 }
-#else  // without VBMI: gathers from the tables in L1 ([Note: table lookups that vectorize]), one moment after the other
+#else
+// Without VBMI: gathers from the tables in L1 ([Note: table lookups that vectorize]); the next block's decode after the
+// encode, not between its chunks.
 struct CodeMap { const float* map; const int32_t* buckets; };
 static CodeMap code_map(const float* map, const int32_t* buckets) { return {map, buckets}; }
 
@@ -257,7 +260,7 @@ static void encode_block(const float* m, float scale_m, const float* v, float sc
 // The update of one block's 256 elements, m and v in place, their new absmaxes out; returns 1 if any scaled grad was
 // inf/nan. kDecay: whether the block's elements decay (none, all, or those before `cut`, for the one block that
 // holds decay_numel: per element, as a bit mask; not a ?:, see select)
-enum Decay { kNone, kAll, kBeforeCut };
+enum class Decay { none, all, before_cut };
 template <class G, class W, Decay kDecay>
 static int update_block(const AdamWArgs& args, int64_t block, int cut, float* m, float* v, float& absmax_m_out,
                         float& absmax_v_out) {
@@ -272,7 +275,7 @@ static int update_block(const AdamWArgs& args, int64_t block, int cut, float* m,
     const int64_t i = block * 256 + j;
     M master = get<M>(a.master, i);
     P param = W::reads_param ? get<P>(a.param, i) : P{};
-    const float decay = kDecay == kAll ? a.decay : kDecay == kNone ? 1.0f
+    const float decay = kDecay == Decay::all ? a.decay : kDecay == Decay::none ? 1.0f
                       : float_of(select(j < cut, bits_of(a.decay), bits_of(1.0f)));
     bad |= adamw_element<W>(a, index.at(j), decay, to_float(((const G*)a.grad)[i]), m[j], v[j], master, param);
     put(a.master, i, master); put(a.param, i, param);
@@ -294,7 +297,7 @@ static int update_block(const AdamWArgs& args, int64_t block, int cut, float* m,
 // leaves the permute pipe idle while the chain waits. So the encode of block b decodes block b + 1 too, the two
 // interleaved 64 values at a time: together they take 0.61 ns an element, apart 0.73 (in cache, one thread of the
 // 2-core Zen 4: `python .ci/cpu_kernel.py time`, its "part" lines). Interleaving the update as well, in parts of 64
-// elements (with the encode, the decode or both), ran slower: 1.20-1.31 ns an element for the step, against 1.09.
+// elements (with the encode, the decode or both), ran slower: 1.20-1.31 ns an element for the step, against 1.10.
 template <class G, class W>
 static int adamw_blocks(const AdamWArgs& args, const CodeMap (&maps)[2], int64_t first, int64_t last) {
   const AdamWArgs a = args;  // a local copy, as adamw_range's
@@ -310,14 +313,14 @@ static int adamw_blocks(const AdamWArgs& args, const CodeMap (&maps)[2], int64_t
     const Block here = block_at(block);
     const int cut = (int)std::clamp<int64_t>(a.decay_numel - block * 256, 0, 256);  // j < cut: decayed
     float absmax_m, absmax_v;
-    bad |= cut == 256 ? update_block<G, W, kAll>(a, block, cut, here.m, here.v, absmax_m, absmax_v)
-         : cut == 0 ? update_block<G, W, kNone>(a, block, cut, here.m, here.v, absmax_m, absmax_v)
-                    : update_block<G, W, kBeforeCut>(a, block, cut, here.m, here.v, absmax_m, absmax_v);
+    bad |= cut == 256 ? update_block<G, W, Decay::all>(a, block, cut, here.m, here.v, absmax_m, absmax_v)
+         : cut == 0 ? update_block<G, W, Decay::none>(a, block, cut, here.m, here.v, absmax_m, absmax_v)
+                    : update_block<G, W, Decay::before_cut>(a, block, cut, here.m, here.v, absmax_m, absmax_v);
     const float scale_m = code_scale(absmax_m), scale_v = code_scale(absmax_v);
     if (block + 1 < last)
       encode_block<true>(here.m, scale_m, here.v, scale_v, maps, here.codes_m, here.codes_v, block_at(block + 1));
     else
-      encode_block<false>(here.m, scale_m, here.v, scale_v, maps, here.codes_m, here.codes_v, here);
+      encode_block<false>(here.m, scale_m, here.v, scale_v, maps, here.codes_m, here.codes_v, {});  // no next
     a.exp_avg_absmax[block] = absmax_m; a.exp_avg_sq_absmax[block] = absmax_v;
   }
   return bad;
