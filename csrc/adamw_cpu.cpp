@@ -291,7 +291,7 @@ static int update_block(const AdamWArgs& args, int64_t block, int cut, float* m,
 // block b decodes block b + 1 into the other buffer. [Note: 8-bit state]
 //
 // [Note: encoding a block while decoding the next]
-// A block's phases lean on different units: the update on the floating-point pipes (a divide, a square root and ~30
+// A block's phases lean on different units: the update on the floating-point pipes (two divides, a square root, ~30
 // other operations per 16 elements), the decode and the encode on the byte and word permutes (~90 per 64 elements,
 // both moments). The encode is also one long chain per 64 values (divide, estimate, lookup, compare), and alone it
 // leaves the permute pipe idle while the chain waits. So the encode of block b decodes block b + 1 too, the two
