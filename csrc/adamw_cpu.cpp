@@ -40,7 +40,8 @@ static int adamw_range(const AdamWArgs& args, int64_t begin, int64_t end, float 
   return bad;
 }
 
-// A block of uint8 state: its codes and absmaxes, and where its m and v are decoded to (in L1)
+// A block of uint8 state: its codes, its absmaxes (as stored; after the update, the new ones), and its m and v decoded
+// (2 KB, in L1)
 struct Block { uint8_t* codes_m; uint8_t* codes_v; float absmax_m, absmax_v; float* m; float* v; };
 
 // [Note: decoding codes with byte permutes]
@@ -257,16 +258,16 @@ static void encode_block(const float* m, float scale_m, const float* v, float sc
 }
 #endif
 
-// The update of one block's 256 elements, m and v in place, their new absmaxes out; returns 1 if any scaled grad was
-// inf/nan. kDecay: whether the block's elements decay (none, all, or those before `cut`, for the one block that
+// The update of one block's 256 elements, its m and v in place, its absmaxes the new ones; returns 1 if any scaled grad
+// was inf/nan. kDecay: whether the block's elements decay (none, all, or those before `cut`, for the one block that
 // holds decay_numel: per element, as a bit mask; not a ?:, see select)
 enum class Decay { none, all, before_cut };
 template <class G, class W, Decay kDecay>
-static int update_block(const AdamWArgs& args, int64_t block, int cut, float* m, float* v, float& absmax_m_out,
-                        float& absmax_v_out) {
+static int update_block(const AdamWArgs& args, int64_t block, int cut, Block& b) {
   const AdamWArgs a = args;  // as adamw_range's
   using M = typename W::master_t; using P = typename W::param_t;
-  m = (float*)__builtin_assume_aligned(m, 64), v = (float*)__builtin_assume_aligned(v, 64);  // no loop to peel
+  float* m = (float*)__builtin_assume_aligned(b.m, 64);  // the buffers' alignment: no loop to peel
+  float* v = (float*)__builtin_assume_aligned(b.v, 64);
   const IndexFrom index(a.index_offset + block * 256);
   float absmax_m = 0.0f, absmax_v = 0.0f;
   int bad = 0;
@@ -282,7 +283,7 @@ static int update_block(const AdamWArgs& args, int64_t block, int cut, float* m,
     const float abs_m = fabsf(m[j]), abs_v = fabsf(v[j]);  // a NaN never passes the > (one vmaxps): it is ignored
     absmax_m = abs_m > absmax_m ? abs_m : absmax_m; absmax_v = abs_v > absmax_v ? abs_v : absmax_v;
   }
-  absmax_m_out = absmax_m; absmax_v_out = absmax_v;
+  b.absmax_m = absmax_m; b.absmax_v = absmax_v;
   return bad;
 }
 
@@ -310,18 +311,17 @@ static int adamw_blocks(const AdamWArgs& args, const CodeMap (&maps)[2], int64_t
   if (first < last) decode_block(block_at(first), maps);
   int bad = 0;
   for (int64_t block = first; block < last; ++block) {
-    const Block here = block_at(block);
+    Block here = block_at(block);
     const int cut = (int)std::clamp<int64_t>(a.decay_numel - block * 256, 0, 256);  // j < cut: decayed
-    float absmax_m, absmax_v;
-    bad |= cut == 256 ? update_block<G, W, Decay::all>(a, block, cut, here.m, here.v, absmax_m, absmax_v)
-         : cut == 0 ? update_block<G, W, Decay::none>(a, block, cut, here.m, here.v, absmax_m, absmax_v)
-                    : update_block<G, W, Decay::before_cut>(a, block, cut, here.m, here.v, absmax_m, absmax_v);
-    const float scale_m = code_scale(absmax_m), scale_v = code_scale(absmax_v);
+    bad |= cut == 256 ? update_block<G, W, Decay::all>(a, block, cut, here)
+         : cut == 0 ? update_block<G, W, Decay::none>(a, block, cut, here)
+                    : update_block<G, W, Decay::before_cut>(a, block, cut, here);
+    const float scale_m = code_scale(here.absmax_m), scale_v = code_scale(here.absmax_v);
     if (block + 1 < last)
       encode_block<true>(here.m, scale_m, here.v, scale_v, maps, here.codes_m, here.codes_v, block_at(block + 1));
     else
       encode_block<false>(here.m, scale_m, here.v, scale_v, maps, here.codes_m, here.codes_v, {});  // no next
-    a.exp_avg_absmax[block] = absmax_m; a.exp_avg_sq_absmax[block] = absmax_v;
+    a.exp_avg_absmax[block] = here.absmax_m; a.exp_avg_sq_absmax[block] = here.absmax_v;
   }
   return bad;
 }
