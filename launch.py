@@ -134,9 +134,7 @@ class Stops:
         if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or self.world_size == 1:
             return
         try:
-            store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
-                                  timeout=datetime.timedelta(seconds=timeout))
-            self.store = dist.PrefixStore(f"nanozero/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+            self.store = agent_store(timeout=datetime.timedelta(seconds=timeout))
         except RuntimeError:  # no answer in `timeout` s (node 0's torchrun ended): nobody to tell, nobody to hear
             self.lost = True
 
@@ -247,12 +245,16 @@ def restart_store():
     """After torchrun restarts the workers (--max-restarts), they rendezvous in torchrun's own TCP store again,
     which still holds the dead attempt's keys (the ranks' addresses): gloo then connects to dead processes
     (pytorch/pytorch#135712). A key prefix per attempt keeps each attempt to itself. None: the default store."""
-    attempt = os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')
-    if attempt == '0' or os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+    if os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0' or os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
         return None
-    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), int(os.environ['WORLD_SIZE']),
-                          is_master=False)
-    return dist.PrefixStore(f'nanozero/attempt{attempt}', store)
+    return agent_store(world_size=int(os.environ['WORLD_SIZE']))
+
+
+def agent_store(**options):
+    """torchrun's own TCP store (its agent's, on node 0), its keys under this restart attempt's prefix: the ranks'
+    rendezvous after a restart (restart_store) and their lines ([Note: a rank that stops on its own])."""
+    store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False, **options)
+    return dist.PrefixStore(f"nanozero/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 # [Note: the end of a run] A gloo collective runs on one of gloo's worker threads. The caller sees it complete

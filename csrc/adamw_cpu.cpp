@@ -11,7 +11,7 @@ struct IndexFrom {
   explicit IndexFrom(int64_t first) : base(index_of(first)) {}
   Index at(uint32_t j) const {
     const uint32_t low = base.low + j;
-    return {low, base.high_mixed + (kHighMix & (0u - (uint32_t)(low < base.low)))};
+    return {low, base.high_mixed + select(low < base.low, kHighMix, 0u)};
   }
 };
 
