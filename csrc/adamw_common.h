@@ -65,9 +65,12 @@ HD float to_float(bf16 x) { return float_of((uint32_t)x.bits << 16); }
 // 0x7FFF + the lowest kept bit to nearest-even, a random number stochastically. [Note: one bf16 rounding rule]
 HD bf16 bf16_round(float x, uint32_t below) {
   const uint32_t b = bits_of(x);
-  const bool nan = x != x;  // the add could carry a NaN into inf: keep it a quiet NaN (its quiet bit set). (x != x and
-  // !(|g| < inf) below hold because neither library is built with fast math, which would fold them to false)
-  return {(uint16_t)((nan ? b | 0x400000u : b + below) >> 16)};  // one shift for both: an instruction less on sm_90
+  uint32_t rounded = b + below;
+  if (x != x) rounded = b | 0x400000u;  // the add could carry a NaN into inf: keep it a quiet NaN (its quiet bit set)
+  // (x != x and !(|g| < inf) below hold because neither library is built with fast math, which would fold them to
+  // false). One shift for both: an instruction less on sm_90. Written as an `if`, not a ?: whose arms g++ shifts and
+  // narrows apart: its vector loop then adds under the NaN mask, 4.5 instructions a value where it took 6.5
+  return {(uint16_t)(rounded >> 16)};
 }
 HD bf16 bf16_nearest_even(float x) { return bf16_round(x, 0x7FFFu + ((bits_of(x) >> 16) & 1u)); }
 HD bf16 bf16_away(float x) { return bf16_round(x, 0x8000u); }

@@ -259,8 +259,10 @@ static void encode_block(const float* m, float scale_m, const float* v, float sc
 #endif
 
 // The update of one block's 256 elements, its m and v in place, its absmaxes the new ones; returns 1 if any scaled grad
-// was inf/nan. kDecay: whether the block's elements decay (none, all, or those before `cut`, for the one block that
-// holds decay_numel: per element, as a bit mask; not a ?:, see select)
+// was inf/nan: its exponent bits all set, so that the lanes' least of the bits left unset is 0 (an and-not and an
+// unsigned min a vector, where adamw_element's flag took 4 instructions). kDecay: whether the block's elements decay
+// (none, all, or those before `cut`, for the one block that holds decay_numel: per element, as a bit mask; not a ?:,
+// see select)
 enum class Decay { none, all, before_cut };
 template <class G, class W, Decay kDecay>
 static int update_block(const AdamWArgs& args, int64_t block, int cut, Block& b) {
@@ -270,21 +272,24 @@ static int update_block(const AdamWArgs& args, int64_t block, int cut, Block& b)
   float* v = (float*)__builtin_assume_aligned(b.v, 64);
   const IndexFrom index(a.index_offset + block * 256);
   float absmax_m = 0.0f, absmax_v = 0.0f;
-  int bad = 0;
-  #pragma omp simd reduction(|:bad) reduction(max:absmax_m, absmax_v)
+  uint32_t unset = 0x7F800000u;  // of the scaled grads' exponent bits
+  #pragma omp simd reduction(min:unset) reduction(max:absmax_m, absmax_v)
   for (int j = 0; j < 256; ++j) {
     const int64_t i = block * 256 + j;
     M master = get<M>(a.master, i);
     P param = W::reads_param ? get<P>(a.param, i) : P{};
     const float decay = kDecay == Decay::all ? a.decay : kDecay == Decay::none ? 1.0f
                       : float_of(select(j < cut, bits_of(a.decay), bits_of(1.0f)));
-    bad |= adamw_element<W>(a, index.at(j), decay, to_float(((const G*)a.grad)[i]), m[j], v[j], master, param);
+    const float grad = to_float(((const G*)a.grad)[i]);
+    adamw_element<W>(a, index.at(j), decay, grad, m[j], v[j], master, param);
     put(a.master, i, master); put(a.param, i, param);
+    const uint32_t unset_here = ~bits_of(grad * a.grad_scale) & 0x7F800000u;  // the scaled grad, as adamw_element's
+    unset = unset_here < unset ? unset_here : unset;
     const float abs_m = fabsf(m[j]), abs_v = fabsf(v[j]);  // a NaN never passes the > (one vmaxps): it is ignored
     absmax_m = abs_m > absmax_m ? abs_m : absmax_m; absmax_v = abs_v > absmax_v ? abs_v : absmax_v;
   }
   b.absmax_m = absmax_m; b.absmax_v = absmax_v;
-  return bad;
+  return unset == 0;
 }
 
 // uint8 state, blocks [first, last): each 256-element block read once and written once. Its m and v stay in L1
