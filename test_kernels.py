@@ -662,11 +662,10 @@ def test_every_mode_matches_the_reference(impl, weights, state, grad):
 @pytest.mark.parametrize("state", ["fp32", "uint8"])
 @pytest.mark.parametrize("weights", ["fp32+bf16param", "remainder", "none-stochastic"])
 def test_the_cpu_kernel_on_three_threads_matches_the_reference(weights, state):
-    # Above 65536 elements the CPU kernel runs a thread team: each thread a contiguous chunk (elementwise: 301 blocks'
-    # worth on 3 threads, torch's OpenMP setting being the library's, the same libgomp, split 101 / 101 / 99), or
-    # runs of 128 blocks taken by the next free thread (uint8: 128 / 128 / 45, each decoding its own first block,
-    # [Note: encoding a block while decoding the next]); the decay cut mid-block in the second, the index's high half
-    # changing in the third.
+    # Above 65536 elements the CPU kernel runs a thread team: each thread a contiguous chunk (elementwise) or run of
+    # blocks (uint8: [Note: encoding a block while decoding the next], each run decoding its own first block). 301
+    # blocks on 3 threads (torch's OpenMP setting is the library's: the same libgomp) split 101 / 101 / 99; the decay
+    # cut mid-block in the second run, the index's high half changing in the third.
     n = 256 * 301
     ref = Shard(n, weights, state)
     shard = ref.to("cpu")

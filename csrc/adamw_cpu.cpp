@@ -337,14 +337,12 @@ static void adamw_cpu(const AdamWArgs& a) {
   if constexpr (std::is_same<S, uint8_t>::value) {
     const CodeMap maps[2] = {code_map(a.tables + SIGNED_MAP, a.buckets + SIGNED_BUCKETS),
                              code_map(a.tables + UNSIGNED_MAP, a.buckets + UNSIGNED_BUCKETS)};
-    // Runs of 128 blocks (32K elements, contiguous for the pipeline above), each taken by the next free thread: this
-    // step is bound by its compute, so a core slowed for a while (a VM's neighbour, a laptop's efficiency core) would
-    // hold up a static split. At 16M on the 2-core VM of the README, in turns with the static split: 0.89-0.94x
-    // (the elementwise steps below are bound by memory, and a dynamic split did not help them: 1.02x)
-    const int64_t blocks = a.n / 256, runs = (blocks + 127) / 128;
-    #pragma omp parallel for schedule(dynamic, 1) reduction(|:bad) if(a.n > 65536)
-    for (int64_t run = 0; run < runs; ++run)
-      bad |= adamw_blocks<G, W>(a, maps, run * 128, std::min(blocks, (run + 1) * 128));
+    #pragma omp parallel reduction(|:bad) if(a.n > 65536)
+    {  // each thread a contiguous run of blocks, for the pipeline above
+      const int64_t blocks = a.n / 256, threads = omp_get_num_threads(), t = omp_get_thread_num();
+      const int64_t per = (blocks + threads - 1) / threads;
+      bad |= adamw_blocks<G, W>(a, maps, std::min(blocks, t * per), std::min(blocks, (t + 1) * per));
+    }
   } else {
     // One thread team per call (below ~64K elements a team costs more than it saves). Each thread takes a
     // contiguous chunk, a multiple of 32 elements (64 B of bf16) so threads do not share cache lines, and cuts
