@@ -245,7 +245,8 @@ def restart_store():
     """After torchrun restarts the workers (--max-restarts), they rendezvous in torchrun's own TCP store again,
     which still holds the dead attempt's keys (the ranks' addresses): gloo then connects to dead processes
     (pytorch/pytorch#135712). A key prefix per attempt keeps each attempt to itself. None: the default store."""
-    if os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0' or os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True':
+    if (os.environ.get('TORCHELASTIC_RESTART_COUNT', '0') == '0'
+            or os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True'):
         return None
     return agent_store(world_size=int(os.environ['WORLD_SIZE']))
 

@@ -303,7 +303,7 @@ static int update_block(const AdamWArgs& args, int64_t block, int cut, Block& b)
 // leaves the permute pipe idle while the chain waits. So the encode of block b decodes block b + 1 too, the two
 // interleaved 64 values at a time: together they take 0.61 ns an element, apart 0.73 (in cache, one thread of the
 // 2-core Zen 4: `python .ci/cpu_kernel.py time`, its "part" lines). Interleaving the update as well, in parts of 64
-// elements (with the encode, the decode or both), ran slower: 1.20-1.31 ns an element for the step, against 1.10.
+// or 32 elements (with the encode, the decode or both), ran slower: 1.20-1.43 ns an element for the step, against 1.10.
 template <class G, class W>
 static int adamw_blocks(const AdamWArgs& args, const CodeMap (&maps)[2], int64_t first, int64_t last) {
   const AdamWArgs a = args;  // a local copy, as adamw_range's
