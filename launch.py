@@ -15,6 +15,8 @@ import datetime
 import gc
 import importlib
 import os
+import select
+import signal
 import socket
 import sys
 import threading
@@ -98,6 +100,7 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
     backend = backend or ('nccl' if device.type == 'cuda' else 'gloo')
     rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
     met, stops = threading.Event(), Stops(timeout=10.0)
+    stops.catch_signals()
     watcher = threading.Thread(target=stops.watch, args=(met, quiet_for), daemon=True)
     watcher.start()
     atexit.register(end_watch, stops, watcher)
@@ -124,6 +127,17 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
 # static rendezvous, or --standalone): the keys of an attempt carry torchrun's restart count, which the machines count
 # alike only when all of them restart together, not in an elastic job whose machines come and go. It costs a connection
 # and a request a second per rank at node 0's store.
+#
+# [Note: a rank ended by a signal] A rank killed by a signal says nothing: the OOM killer's SIGKILL, a segfault. But
+# its machine's torchrun then ends the machine's other ranks with SIGTERM, and a Ctrl-C reaches every rank of the
+# machine where it was typed: those ranks tell, as a rank that raises does, so that the other machines' ranks stop
+# with their line in a second, not after NCCL's timeout (10 min) in their next collective. A signal's Python handler
+# runs in the main thread only, between two of its bytecodes, and the main thread may sit in a collective for as long
+# as it lasts; so the signal's number is also written to a pipe (signal.set_wakeup_fd, by the C handler, at once), and
+# the watcher, which waits on that pipe between its polls, acts on it: for SIGTERM it tells and exits (143, as a
+# shell's; on node 0 once the others have read it, up to 2 s, as above); for SIGINT it only tells, and the main thread's
+# KeyboardInterrupt ends the run as before. Only where a job spans machines: on one, its torchrun ends every rank.
+# Not covered: a machine whose every rank dies at once (one rank a machine, or the machine itself).
 class Stops:
     """This rank's side of [Note: a rank that stops on its own]: tell (it stops) and watch (for another's line)."""
 
@@ -131,6 +145,8 @@ class Stops:
         self.rank, self.world_size, self.timeout = int(os.environ.get('RANK', 0)), launched_world_size(), timeout
         self.node, self.store, self.lost = os.environ.get('GROUP_RANK', '0'), None, False
         self.ended = threading.Event()  # set at exit: the watcher stops before Python does
+        self.wakeup, self.signalled, self.told_ctrl_c = None, threading.Lock(), False  # [Note: a rank ended by a signal]
+        self.watching, self.first = False, False
         if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or self.world_size == 1:
             return
         try:
@@ -152,6 +168,7 @@ class Stops:
             return None
         if first != mine:
             return first
+        self.first = True  # this rank's line is the store's
         atexit.register(self.wait_until_read, 10.0 if before_meeting else 2.0)
         return None
 
@@ -163,14 +180,59 @@ class Stops:
         except RuntimeError:
             pass
 
+    def catch_signals(self):
+        """[Note: a rank ended by a signal]: from the main thread, before the watcher starts; only with a store, and
+        only where the job spans machines (on one, its torchrun ends every rank itself)."""
+        one_machine = int(os.environ.get('LOCAL_WORLD_SIZE', 0)) == self.world_size
+        if self.store is None or one_machine or threading.current_thread() is not threading.main_thread():
+            return
+        self.wakeup = os.pipe()
+        os.set_blocking(self.wakeup[1], False)
+        signal.set_wakeup_fd(self.wakeup[1], warn_on_full_buffer=False)
+        # the watcher acts on the pipe's numbers in their order (a Ctrl-C's SIGINT, then torchrun's SIGTERM); the main
+        # thread's handler only once the watcher has ended, at exit
+        signal.signal(signal.SIGTERM, lambda signum, frame: None if self.watching else self.on_signal(signum))
+
+    def on_signal(self, signum):
+        """SIGINT: told once (the main thread's KeyboardInterrupt ends the run); SIGTERM: told, read, exit."""
+        if signum == signal.SIGINT and not self.told_ctrl_c:
+            self.told_ctrl_c = True
+            self.tell("Ctrl-C (SIGINT) on its machine")
+        elif signum == signal.SIGTERM and self.signalled.acquire(blocking=False):
+            self.tell("SIGTERM (a machine's torchrun ends its ranks when one of them fails: one killed by a signal "
+                      "says nothing, and that torchrun's log names it)")
+            told = self.first and self.store is not None
+            if told and first_on_machine():
+                print(f"rank {self.rank}: stopping: SIGTERM, told to the other machines", file=sys.__stderr__, flush=True)
+            if told and self.node == '0':  # node 0's torchrun holds the store, and ends with node 0's ranks
+                self.wait_until_read(2.0)
+            sys.stdout.flush()
+            os._exit(128 + signal.SIGTERM)
+
+    def pause(self, seconds):
+        """Waits up to `seconds`, acting at once on a signal's number in the wakeup pipe; True once the run ended."""
+        if self.wakeup is None:
+            return self.ended.wait(seconds)
+        if select.select([self.wakeup[0]], [], [], seconds)[0]:
+            for signum in os.read(self.wakeup[0], 64):
+                self.on_signal(signum)
+        return self.ended.is_set()
+
     def watch(self, met, quiet_for):
         """Beside a rank from its rendezvous to its end: stops it when another machine's rank stopped on its own;
         while it waits at the rendezvous (until `met` is set), says after quiet_for seconds what for (e.g. RANK and
         WORLD_SIZE set by hand, the other ranks never started), once a machine: a wait is never silent."""
+        self.watching = True
+        try:
+            self.watch_until_ended(met, quiet_for)
+        finally:
+            self.watching = False
+
+    def watch_until_ended(self, met, quiet_for):
         says, since, told = first_on_machine(), time.monotonic(), False
         theirs, read_at = None, None  # the line it stops with, and when it read a line (None: not yet)
-        while not (self.store is None and met.is_set()):  # (no store to watch, once the ranks met: a run alone)
-            if self.ended.wait(1.0 if met.is_set() else min(0.5, quiet_for)):
+        while not (self.store is None and met.is_set() and self.wakeup is None):  # (nothing to watch: a run alone)
+            if self.pause(1.0 if met.is_set() else min(0.5, quiet_for)):
                 return
             if self.lost and not met.is_set() and theirs is None:  # the rendezvous cannot happen
                 theirs, read_at = (f"torchrun's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} did not "
@@ -188,6 +250,15 @@ class Stops:
                       f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} after {quiet_for:g} s: are they "
                       "started, with the same WORLD_SIZE and MASTER_ADDR:MASTER_PORT? (a rank that stopped before this "
                       "point said why in its machine's log)", file=sys.__stderr__, flush=True)
+
+    def line_within(self, seconds):
+        """The line of the rank that stopped first, once there (None after `seconds`, or without a store)."""
+        end = time.monotonic() + seconds
+        while self.store is not None and time.monotonic() < end:
+            if (line := self.line()) is not None:
+                return line
+            time.sleep(0.05)
+        return None
 
     def line(self):
         try:
@@ -208,6 +279,9 @@ class Stops:
         os._exit(1)
 
 
+GLOO_PEER_GONE = ('Connection closed by peer', 'Connection reset by peer')
+
+
 def tell_on_a_crash():
     """sys.excepthook for a run's ranks: an exception nothing caught is told to the others (under torchrun, across
     ranks; else the traceback as ever), and if another rank stopped first, said as that rank's stop in one line (this
@@ -217,7 +291,11 @@ def tell_on_a_crash():
 
     def hook(kind, e, tb):
         message = str(e).strip().splitlines()[0] if str(e).strip() else ''
-        first = Stops().tell(f"{kind.__name__}: {message}", before_meeting=not dist.is_initialized())
+        stops = Stops()
+        # gloo's peer gone is what a rank killed by a signal leaves: its machine's other ranks are about to tell why
+        # ([Note: a rank ended by a signal]), so wait for their line a moment before telling this one
+        first = stops.line_within(3.0) if any(gone in message for gone in GLOO_PEER_GONE) else None
+        first = first or stops.tell(f"{kind.__name__}: {message}", before_meeting=not dist.is_initialized())
         if first is None:
             return previous_hook(kind, e, tb)
         print(f"rank {os.environ['RANK']}: stopping: {first} (then here: {kind.__name__})", file=sys.__stderr__,
@@ -231,6 +309,9 @@ def end_watch(stops, watcher):
     """At exit: the watcher ends before Python does, not inside a store call as Python finalizes ([Note: the end of a
     run]): at once, or, from a store that stopped answering, after its calls' timeouts."""
     stops.ended.set()
+    if stops.wakeup is not None:  # the watcher waits on the pipe: a byte wakes it (0, no signal)
+        with contextlib.suppress(OSError):
+            os.write(stops.wakeup[1], b'\0')
     watcher.join(timeout=3 * stops.timeout + 1)  # a poll's three calls
 
 

@@ -1125,6 +1125,46 @@ def test_a_rank_that_raises_mid_run_stops_the_other_machines_with_its_line(tmp_p
     assert '[rank3]: RuntimeError: CUDA out of memory (a stand-in)' in outs[1][1], outs[1][1][-3000:]  # as ever
 
 
+SIGNALLED_RUN = """
+import os, runpy, signal, sys
+sys.path.insert(0, os.getcwd())  # (this file is not in the checkout)
+import model
+forward, calls = model.GPT.forward, []
+def signalled(self, *args, **kwargs):  # at rank 3's 6th forward: SIGNAL
+    calls.append(1)
+    if len(calls) == 6 and os.environ['RANK'] == '3':
+        SIGNAL
+    return forward(self, *args, **kwargs)
+model.GPT.forward = signalled
+sys.argv = ['train.py', *sys.argv[1:]]
+runpy.run_path(os.path.abspath('train.py'), run_name='__main__')
+"""
+
+
+@pytest.mark.parametrize('signal_sent, line', [
+    ('os.kill(os.getpid(), signal.SIGKILL)',  # as the OOM killer: node 1's torchrun then ends rank 2 with SIGTERM
+     r"rank 2 on node 1 \({host}\) stopped: SIGTERM \(a machine's torchrun ends its ranks when one of them fails"),
+    ('os.kill(os.getpid(), signal.SIGTERM)',  # that SIGTERM, alone
+     r"rank 3 on node 1 \({host}\) stopped: SIGTERM \(a machine's torchrun ends its ranks when one of them fails"),
+    ('os.killpg(os.getpgrp(), signal.SIGINT)',  # a Ctrl-C typed on node 1: its torchrun and both its ranks get it
+     r"rank [23] on node 1 \({host}\) stopped: Ctrl-C \(SIGINT\) on its machine")])
+def test_a_rank_ended_by_a_signal_stops_the_other_machines_with_its_line(tmp_path, signal_sent, line):
+    # [Note: a rank ended by a signal] (launch.py): two nodes of two ranks. Before, node 1's ranks died without a word
+    # (SIGKILL, SIGTERM's default) or said their Ctrl-C only on node 1, and node 0's ranks died on gloo's "Connection
+    # closed by peer", each with a traceback of its own (under NCCL they would have waited in their collective for 10
+    # min). Now node 1's ranks tell, from the watcher, at once, the ranks that see gloo's peer gone wait for that line
+    # (up to 3 s), and node 0 stops with it
+    (tmp_path / 'signalled.py').write_text(SIGNALLED_RUN.replace('SIGNAL\n', signal_sent + '\n'))
+    args = ['config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16',
+            '--batch_size=2', '--eval_iters=1', '--eval_interval=100', '--gradient_accumulation_steps=4',
+            '--log_interval=1', '--max_iters=50', f'--out_dir={tmp_path}/out']
+    codes, outs = two_nodes([['train.py', *args], [str(tmp_path / 'signalled.py'), *args]], nproc=2)
+    assert codes[0] == 1 and codes[1] != 0 and 'iter 2:' in outs[0][0] and 'iter 4:' not in outs[0][0], outs
+    assert re.search(r"(?m)^rank 0: stopping: " + line.format(host=re.escape(socket.gethostname())), outs[0][1]), outs[0][1]
+    assert outs[0][1].count('rank 0: stopping') == 1, outs[0][1]
+    assert 'Traceback' not in outs[0][1].split('failed (exitcode: 1)')[0]  # (torchrun's own report follows)
+
+
 def test_two_nodes_whose_out_dirs_differ_stop_at_the_start_in_one_line(tmp_path):
     # [Note: one out_dir for every rank], through train.py: each node's own out_dir (as a disk of its own at one path).
     # Before, a run from scratch trained to its first save (after hours in a real run) and failed there; and resuming,
