@@ -6,7 +6,8 @@ start_process_group starts a rank's process group: its device (under torchrun, t
 backend (nccl on GPUs, gloo on CPUs), a rendezvous of its own after each torchrun restart (restart_store). train.py's
 start-up checks compare what every rank has before a step (gather_objects, ranks_where, MachineError for what one
 machine lacks). Beside each rank, Stops watches for a rank that stops on its own, so that a job across machines
-never waits for torch's timeout ([Note: a rank that stops on its own]). end_process_group ends a run without leaving
+never waits for torch's timeout ([Note: a rank that stops on its own]), and tells when its own rank is ended by a
+signal ([Note: a rank ended by a signal]). end_process_group ends a run without leaving
 a gloo thread to abort it at exit ([Note: the end of a run]). And profile=True's trace: start_profiler, profiler_step.
 """
 import atexit
@@ -136,8 +137,11 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
 # as it lasts; so the signal's number is also written to a pipe (signal.set_wakeup_fd, by the C handler, at once), and
 # the watcher, which waits on that pipe between its polls, acts on it: for SIGTERM it tells and exits (143, as a
 # shell's; on node 0 once the others have read it, up to 2 s, as above); for SIGINT it only tells, and the main thread's
-# KeyboardInterrupt ends the run as before. Only where a job spans machines: on one, its torchrun ends every rank.
-# Not covered: a machine whose every rank dies at once (one rank a machine, or the machine itself).
+# KeyboardInterrupt ends the run as before. Only where a job spans machines: on one, its torchrun ends every rank. A
+# forked child forgets both the pipe and the handler (a pool ending its workers with SIGTERM would end the rank).
+# gloo's "peer gone" in the rank's next collective is what the killed rank leaves: a rank that raises it first waits
+# up to 3 s for a line (tell_on_a_crash). Not covered: a machine whose every rank dies at once (one rank a machine, or
+# the machine itself).
 class Stops:
     """This rank's side of [Note: a rank that stops on its own]: tell (it stops) and watch (for another's line)."""
 
@@ -192,6 +196,12 @@ class Stops:
         # the watcher acts on the pipe's numbers in their order (a Ctrl-C's SIGINT, then torchrun's SIGTERM); the main
         # thread's handler only once the watcher has ended, at exit
         signal.signal(signal.SIGTERM, lambda signum, frame: None if self.watching else self.on_signal(signum))
+        os.register_at_fork(after_in_child=self.forget_signals)  # a forked worker's signals are not this rank's
+
+    @staticmethod
+    def forget_signals():
+        signal.set_wakeup_fd(-1)  # (a pool that ends its forked workers with SIGTERM would end the rank: the same pipe)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def on_signal(self, signum):
         """SIGINT: told once (the main thread's KeyboardInterrupt ends the run); SIGTERM: told, read, exit."""

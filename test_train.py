@@ -1165,6 +1165,29 @@ def test_a_rank_ended_by_a_signal_stops_the_other_machines_with_its_line(tmp_pat
     assert 'Traceback' not in outs[0][1].split('failed (exitcode: 1)')[0]  # (torchrun's own report follows)
 
 
+def test_a_forked_workers_sigterm_is_not_taken_for_its_ranks():
+    # [Note: a rank ended by a signal]: a forked child shares the rank's wakeup pipe and its SIGTERM handler, so a pool
+    # that ends its forked workers with SIGTERM would have written 15 into the rank's pipe, and the rank's watcher would
+    # have told the job and ended it. After a fork the child forgets both: SIGTERM ends it as by default, the pipe stays
+    # empty
+    script = """
+import os, select, signal, sys
+import launch
+os.environ['LOCAL_WORLD_SIZE'] = '1'
+stops = launch.Stops()
+stops.store, stops.world_size = object(), 2  # as under torchrun, in a job of two machines
+stops.catch_signals()
+pid = os.fork()
+if pid == 0:  # a forked worker, ended by its pool
+    os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, select.select([stops.wakeup[0]], [], [], 0.2)[0])
+"""
+    run = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=60)
+    assert run.stdout == 'True []\n', run.stdout + run.stderr[-2000:]
+
+
 def test_two_nodes_whose_out_dirs_differ_stop_at_the_start_in_one_line(tmp_path):
     # [Note: one out_dir for every rank], through train.py: each node's own out_dir (as a disk of its own at one path).
     # Before, a run from scratch trained to its first save (after hours in a real run) and failed there; and resuming,
