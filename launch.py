@@ -138,7 +138,8 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
 # the watcher, which waits on that pipe between its polls, acts on it: for SIGTERM it tells and exits (143, as a
 # shell's; on node 0 once the others have read it, up to 2 s, as above); for SIGINT it only tells, and the main thread's
 # KeyboardInterrupt ends the run as before. Only where a job spans machines: on one, its torchrun ends every rank. A
-# forked child forgets both the pipe and the handler (a pool ending its workers with SIGTERM would end the rank).
+# forked child forgets both the pipe and the handler (a pool ending its workers with SIGTERM would end the rank), and
+# so does the rank once its watcher has ended (end_watch): a SIGTERM then ends it at once, even inside C code.
 # gloo's "peer gone" in the rank's next collective is what the killed rank leaves: a rank that raises it first waits
 # up to 3 s for a line (tell_on_a_crash). Not covered: a machine whose every rank dies at once (one rank a machine, or
 # the machine itself).
@@ -209,15 +210,20 @@ class Stops:
             self.told_ctrl_c = True
             self.tell("Ctrl-C (SIGINT) on its machine")
         elif signum == signal.SIGTERM and self.signalled.acquire(blocking=False):
-            self.tell("SIGTERM (a machine's torchrun ends its ranks when one of them fails: one killed by a signal "
-                      "says nothing, and that torchrun's log names it)")
-            told = self.first and self.store is not None
-            if told and first_on_machine():
-                print(f"rank {self.rank}: stopping: SIGTERM, told to the other machines", file=sys.__stderr__, flush=True)
-            if told and self.node == '0':  # node 0's torchrun holds the store, and ends with node 0's ranks
-                self.wait_until_read(2.0)
-            sys.stdout.flush()
-            os._exit(128 + signal.SIGTERM)
+            try:  # exits whatever fails on the way (a log whose reader is gone): a SIGTERM is never swallowed
+                self.tell("SIGTERM (from its machine's torchrun: one of its ranks failed, one killed by a signal saying "
+                          "nothing, or torchrun itself was ended; that torchrun's log says which)")
+                told = self.first and self.store is not None
+                if told and first_on_machine():
+                    with contextlib.suppress(OSError):
+                        print(f"rank {self.rank}: stopping: SIGTERM, told to the other machines", file=sys.__stderr__,
+                              flush=True)
+                if told and self.node == '0':  # node 0's torchrun holds the store, and ends with node 0's ranks
+                    self.wait_until_read(2.0)
+                with contextlib.suppress(OSError):
+                    sys.stdout.flush()
+            finally:
+                os._exit(128 + signal.SIGTERM)
 
     def pause(self, seconds):
         """Waits up to `seconds`, acting at once on a signal's number in the wakeup pipe; True once the run ended."""
@@ -283,13 +289,30 @@ class Stops:
         return time.monotonic()
 
     def stop(self, line, says):
-        if says:  # (not sys.stderr: inside an excepthook torch's own, around it, holds sys.stderr in a buffer)
-            print(f"rank {self.rank}: stopping: {line}", file=sys.__stderr__, flush=True)
-        sys.stdout.flush()  # os._exit flushes nothing: the log's last lines
+        stop_once(f"rank {self.rank}: stopping: {line}" if says else None)
+
+
+STOPPING = threading.Lock()  # the watcher and the crash hook may find the line at once: one of them says it
+
+
+def stop_once(said):
+    """Ends the rank with exit code 1, after saying `said` (None: nothing), once a rank whichever thread calls."""
+    first = STOPPING.acquire(blocking=False)
+    if not first:
+        time.sleep(60)  # the other thread is saying it, and ends the process
+    try:
+        if said and first:  # (not sys.stderr: inside an excepthook torch's own, around it, holds sys.stderr in a buffer)
+            with contextlib.suppress(OSError):
+                print(said, file=sys.__stderr__, flush=True)
+        with contextlib.suppress(OSError):
+            sys.stdout.flush()  # os._exit flushes nothing: the log's last lines
+    finally:
         os._exit(1)
+        if first:  # (reached only where a test stands in for os._exit)
+            STOPPING.release()
 
 
-GLOO_PEER_GONE = ('Connection closed by peer', 'Connection reset by peer')
+GLOO_PEER_GONE = ('Connection closed by peer', 'Connection reset by peer', 'Broken pipe', 'Socket closed')
 
 
 def tell_on_a_crash():
@@ -305,13 +328,12 @@ def tell_on_a_crash():
         # gloo's peer gone is what a rank killed by a signal leaves: its machine's other ranks are about to tell why
         # ([Note: a rank ended by a signal]), so wait for their line a moment before telling this one
         first = stops.line_within(3.0) if any(gone in message for gone in GLOO_PEER_GONE) else None
+        if first is not None:
+            stops.mark_read()
         first = first or stops.tell(f"{kind.__name__}: {message}", before_meeting=not dist.is_initialized())
         if first is None:
             return previous_hook(kind, e, tb)
-        print(f"rank {os.environ['RANK']}: stopping: {first} (then here: {kind.__name__})", file=sys.__stderr__,
-              flush=True)
-        sys.stdout.flush()
-        os._exit(1)  # said: before its watcher, reading the same line, says it again
+        stop_once(f"rank {os.environ['RANK']}: stopping: {first} (then here: {kind.__name__})")  # before its watcher
     sys.excepthook = hook
 
 
@@ -323,6 +345,11 @@ def end_watch(stops, watcher):
         with contextlib.suppress(OSError):
             os.write(stops.wakeup[1], b'\0')
     watcher.join(timeout=3 * stops.timeout + 1)  # a poll's three calls
+    if stops.wakeup is not None:  # [Note: a rank ended by a signal], after the watcher: SIGTERM ends the rank at once
+        if stops.first and stops.node == '0':  # (a line told as it ended: atexit runs nothing registered during exit)
+            stops.wait_until_read(2.0)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def free_port():

@@ -1143,10 +1143,10 @@ runpy.run_path(os.path.abspath('train.py'), run_name='__main__')
 
 @pytest.mark.parametrize('signal_sent, line', [
     ('os.kill(os.getpid(), signal.SIGKILL)',  # as the OOM killer: node 1's torchrun then ends rank 2 with SIGTERM
-     r"rank 2 on node 1 \({host}\) stopped: SIGTERM \(a machine's torchrun ends its ranks when one of them fails"),
+     r"rank 2 on node 1 \({host}\) stopped: SIGTERM \(from its machine's torchrun: one of its ranks failed"),
     ('os.kill(os.getpid(), signal.SIGTERM)',  # that SIGTERM, alone
-     r"rank 3 on node 1 \({host}\) stopped: SIGTERM \(a machine's torchrun ends its ranks when one of them fails"),
-    ('os.killpg(os.getpgrp(), signal.SIGINT)',  # a Ctrl-C typed on node 1: its torchrun and both its ranks get it
+     r"rank 3 on node 1 \({host}\) stopped: SIGTERM \(from its machine's torchrun: one of its ranks failed"),
+    ('os.kill(os.getppid(), signal.SIGINT)',  # a Ctrl-C typed on node 1: its torchrun gets it, and sends it to its ranks
      r"rank [23] on node 1 \({host}\) stopped: Ctrl-C \(SIGINT\) on its machine")])
 def test_a_rank_ended_by_a_signal_stops_the_other_machines_with_its_line(tmp_path, signal_sent, line):
     # [Note: a rank ended by a signal] (launch.py): two nodes of two ranks. Before, node 1's ranks died without a word
@@ -1178,7 +1178,11 @@ stops = launch.Stops()
 stops.store, stops.world_size = object(), 2  # as under torchrun, in a job of two machines
 stops.catch_signals()
 pid = os.fork()
-if pid == 0:  # a forked worker, ended by its pool
+if pid == 0:  # a forked worker, interrupted, then ended by its pool
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+    except KeyboardInterrupt:
+        pass
     os.kill(os.getpid(), signal.SIGTERM)
     os._exit(0)
 _, status = os.waitpid(pid, 0)
