@@ -7,8 +7,8 @@ backend (nccl on GPUs, gloo on CPUs), a rendezvous of its own after each torchru
 start-up checks compare what every rank has before a step (gather_objects, ranks_where, MachineError for what one
 machine lacks). Beside each rank, Stops watches for a rank that stops on its own, so that a job across machines
 never waits for torch's timeout ([Note: a rank that stops on its own]), and tells when its own rank is ended by a
-signal ([Note: a rank ended by a signal]). end_process_group ends a run without leaving
-a gloo thread to abort it at exit ([Note: the end of a run]). And profile=True's trace: start_profiler, profiler_step.
+signal ([Note: a rank ended by a signal]). end_process_group ends a run without leaving a gloo thread to abort it at
+exit ([Note: the end of a run]). And profile=True's trace: start_profiler, profiler_step.
 """
 import atexit
 import contextlib
@@ -130,8 +130,8 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
 # and a request a second per rank at node 0's store.
 #
 # [Note: a rank ended by a signal] A rank killed by a signal says nothing: the OOM killer's SIGKILL, a segfault. But
-# its machine's torchrun then ends the machine's other ranks with SIGTERM, and a Ctrl-C reaches every rank of the
-# machine where it was typed: those ranks tell, as a rank that raises does, so that the other machines' ranks stop
+# its machine's torchrun then ends the machine's other ranks with SIGTERM, and passes a Ctrl-C typed there on to its
+# ranks as SIGINT: those ranks tell, as a rank that raises does, so that the other machines' ranks stop
 # with their line in a second, not after NCCL's timeout (10 min) in their next collective. A signal's Python handler
 # runs in the main thread only, between two of its bytecodes, and the main thread may sit in a collective for as long
 # as it lasts; so the signal's number is also written to a pipe (signal.set_wakeup_fd, by the C handler, at once), and
