@@ -137,7 +137,8 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
 # as it lasts; so the signal's number is also written to a pipe (signal.set_wakeup_fd, by the C handler, at once), and
 # the watcher, which waits on that pipe between its polls, acts on it: for SIGTERM it tells and exits (143, as a
 # shell's; on node 0 once the others have read it, up to 2 s, as above); for SIGINT it only tells, and the main thread's
-# KeyboardInterrupt ends the run as before. Only where a job spans machines: on one, its torchrun ends every rank. A
+# KeyboardInterrupt ends the run as before (the main thread's own SIGTERM handler acts only if the watcher has not,
+# 5 s on, or has ended). Only where a job spans machines: on one, its torchrun ends every rank. A
 # forked child forgets both the pipe and the handler (a pool ending its workers with SIGTERM would end the rank), and
 # so does the rank once its watcher has ended (end_watch): a SIGTERM then ends it at once, even inside C code.
 # gloo's "peer gone" in the rank's next collective is what the killed rank leaves: a rank that raises it first waits
@@ -194,10 +195,17 @@ class Stops:
         self.wakeup = os.pipe()
         os.set_blocking(self.wakeup[1], False)
         signal.set_wakeup_fd(self.wakeup[1], warn_on_full_buffer=False)
-        # the watcher acts on the pipe's numbers in their order (a Ctrl-C's SIGINT, then torchrun's SIGTERM); the main
-        # thread's handler only once the watcher has ended, at exit
-        signal.signal(signal.SIGTERM, lambda signum, frame: None if self.watching else self.on_signal(signum))
+        signal.signal(signal.SIGTERM, self.on_sigterm_in_main_thread)
         os.register_at_fork(after_in_child=self.forget_signals)  # a forked worker's signals are not this rank's
+
+    def on_sigterm_in_main_thread(self, signum, frame):
+        """The watcher acts on the pipe's numbers in their order (a Ctrl-C's SIGINT, then torchrun's SIGTERM); this
+        handler acts itself once the watcher has ended, and else 5 s later if the rank still runs (the watcher never
+        saw it: something, asyncio's loop say, took the wakeup fd over): a SIGTERM is never swallowed."""
+        if self.watching:
+            threading.Timer(5.0, self.on_signal, (signum,)).start()
+        else:
+            self.on_signal(signum)
 
     @staticmethod
     def forget_signals():

@@ -1192,6 +1192,35 @@ print(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, select.s
     assert run.stdout == 'True []\n', run.stdout + run.stderr[-2000:]
 
 
+def test_a_sigterm_the_watcher_never_sees_still_ends_the_rank():
+    # [Note: a rank ended by a signal]: while the watcher runs, the main thread's SIGTERM handler leaves the signal to
+    # it (it reads the pipe in order). Something that takes the wakeup fd over (asyncio's event loop does) would hide
+    # the signal from it, and the rank would have run on until torchrun's SIGKILL (30 s). The handler acts itself after
+    # 5 s if the rank still runs: it tells (here, a store that holds nothing else) and exits 143
+    script = """
+import os, signal, threading, time
+import launch
+class Store:
+    def check(self, keys): return False
+    def compare_set(self, key, expected, desired): return desired.encode()
+    def set(self, key, value): pass
+os.environ.update(LOCAL_WORLD_SIZE='1', GROUP_RANK='1')
+stops = launch.Stops()
+stops.store, stops.world_size, stops.node = Store(), 2, '1'  # node 1 of a job of two machines
+stops.catch_signals()
+threading.Thread(target=stops.watch, args=(threading.Event(), 30.0), daemon=True).start()
+time.sleep(0.2)
+other = os.pipe()
+os.set_blocking(other[1], False)
+signal.set_wakeup_fd(other[1])
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(20)
+print('still running')
+"""
+    run = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 143 and run.stdout == '', (run.returncode, run.stdout, run.stderr[-2000:])
+
+
 def test_two_nodes_whose_out_dirs_differ_stop_at_the_start_in_one_line(tmp_path):
     # [Note: one out_dir for every rank], through train.py: each node's own out_dir (as a disk of its own at one path).
     # Before, a run from scratch trained to its first save (after hours in a real run) and failed there; and resuming,
