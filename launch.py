@@ -221,7 +221,7 @@ class Stops:
             try:  # exits whatever fails on the way (a log whose reader is gone): a SIGTERM is never swallowed
                 self.tell("SIGTERM (from its machine's torchrun: one of its ranks failed, one killed by a signal saying "
                           "nothing, or torchrun itself was ended; that torchrun's log says which)")
-                told = self.first and self.store is not None
+                told = self.first  # (set only where the store took this rank's line)
                 if told and first_on_machine():
                     with contextlib.suppress(OSError):
                         print(f"rank {self.rank}: stopping: SIGTERM, told to the other machines", file=sys.__stderr__,

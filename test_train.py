@@ -1092,17 +1092,20 @@ def test_a_machine_that_stops_before_the_ranks_meet_stops_the_other_machines_at_
                                         + said), outs[good][1][-3000:]
 
 
-RAISING_RUN = """
-import os, runpy, sys
+def at_rank_3s_6th_forward(action):
+    """train.py as torchrun runs it, but rank 3's 6th forward first runs `action` (a line of Python; os and signal
+    imported), as a CUDA out-of-memory or a signal would come: a script to write next to the checkout."""
+    return f"""
+import os, runpy, signal, sys
 sys.path.insert(0, os.getcwd())  # (this file is not in the checkout)
 import model
 forward, calls = model.GPT.forward, []
-def raising(self, *args, **kwargs):  # rank 3's 6th forward raises, as a CUDA out-of-memory would
+def at_6th(self, *args, **kwargs):
     calls.append(1)
     if len(calls) == 6 and os.environ['RANK'] == '3':
-        raise RuntimeError('CUDA out of memory (a stand-in)')
+        {action}
     return forward(self, *args, **kwargs)
-model.GPT.forward = raising
+model.GPT.forward = at_6th
 sys.argv = ['train.py', *sys.argv[1:]]
 runpy.run_path(os.path.abspath('train.py'), run_name='__main__')  # (as torchrun runs it: the same code)
 """
@@ -1113,7 +1116,8 @@ def test_a_rank_that_raises_mid_run_stops_the_other_machines_with_its_line(tmp_p
     # 6th forward (iteration 3). Before, node 0's ranks died on gloo's "Connection closed by peer", each with a
     # traceback of its own, not the cause (under NCCL they would have waited in their collective for 10 min). Now
     # node 0 stops with rank 3's line, and rank 3's traceback is in node 1's log (said before it waits to be read)
-    (tmp_path / 'raising.py').write_text(RAISING_RUN)
+    raising = at_rank_3s_6th_forward("raise RuntimeError('CUDA out of memory (a stand-in)')")
+    (tmp_path / 'raising.py').write_text(raising)
     args = ['config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16',
             '--batch_size=2', '--eval_iters=1', '--eval_interval=100', '--gradient_accumulation_steps=4',
             '--log_interval=1', '--max_iters=50', f'--out_dir={tmp_path}/out']
@@ -1123,22 +1127,6 @@ def test_a_rank_that_raises_mid_run_stops_the_other_machines_with_its_line(tmp_p
     assert outs[0][1].startswith(f"rank 0: stopping: {line}") and outs[0][1].count('rank 0: stopping') == 1, outs[0][1]
     assert 'Traceback' not in outs[0][1].split('failed (exitcode: 1)')[0]  # (torchrun's own report follows)
     assert '[rank3]: RuntimeError: CUDA out of memory (a stand-in)' in outs[1][1], outs[1][1][-3000:]  # as ever
-
-
-SIGNALLED_RUN = """
-import os, runpy, signal, sys
-sys.path.insert(0, os.getcwd())  # (this file is not in the checkout)
-import model
-forward, calls = model.GPT.forward, []
-def signalled(self, *args, **kwargs):  # at rank 3's 6th forward: SIGNAL
-    calls.append(1)
-    if len(calls) == 6 and os.environ['RANK'] == '3':
-        SIGNAL
-    return forward(self, *args, **kwargs)
-model.GPT.forward = signalled
-sys.argv = ['train.py', *sys.argv[1:]]
-runpy.run_path(os.path.abspath('train.py'), run_name='__main__')
-"""
 
 
 @pytest.mark.parametrize('signal_sent, line', [
@@ -1154,7 +1142,7 @@ def test_a_rank_ended_by_a_signal_stops_the_other_machines_with_its_line(tmp_pat
     # closed by peer", each with a traceback of its own (under NCCL they would have waited in their collective for 10
     # min). Now node 1's ranks tell, from the watcher, at once, the ranks that see gloo's peer gone wait for that line
     # (up to 3 s), and node 0 stops with it
-    (tmp_path / 'signalled.py').write_text(SIGNALLED_RUN.replace('SIGNAL\n', signal_sent + '\n'))
+    (tmp_path / 'signalled.py').write_text(at_rank_3s_6th_forward(signal_sent))
     args = ['config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16',
             '--batch_size=2', '--eval_iters=1', '--eval_interval=100', '--gradient_accumulation_steps=4',
             '--log_interval=1', '--max_iters=50', f'--out_dir={tmp_path}/out']
