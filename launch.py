@@ -100,7 +100,7 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
         torch.cuda.set_device(device)
     backend = backend or ('nccl' if device.type == 'cuda' else 'gloo')
     rank, world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
-    met, stops = threading.Event(), Stops(timeout=10.0)
+    met, stops = threading.Event(), Stops(timeout=min(10.0, silent_for() or 60.0))
     stops.catch_signals()
     watcher = threading.Thread(target=stops.watch, args=(met, quiet_for), daemon=True)
     watcher.start()
@@ -142,8 +142,23 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
 # forked child forgets both the pipe and the handler (a pool ending its workers with SIGTERM would end the rank), and
 # so does the rank once its watcher has ended (end_watch): a SIGTERM then ends it at once, even inside C code.
 # gloo's "peer gone" in the rank's next collective is what the killed rank leaves: a rank that raises it first waits
-# up to 3 s for a line (tell_on_a_crash). Not covered: a machine whose every rank dies at once (one rank a machine, or
-# the machine itself).
+# up to 3 s for a line (tell_on_a_crash). A machine whose every rank dies at once tells no one: [Note: a machine gone
+# silent].
+#
+# [Note: a machine gone silent] A machine whose every rank ends at once leaves no line: its only rank killed, all of
+# them killed together, the machine down, frozen or cut off. So each rank of a job across machines beats: its watcher
+# adds 1 to its machine's count in torchrun's store ('beat/<node>') every silent_for / 6 s (5 s at most; silent_for is
+# NANOZERO_SILENT_FOR, 60 s by default), and each machine's first rank reads the next machine's count (node N watches
+# node N + 1, the last node 0: one read a machine, whatever the job's size; while one machine lives, some machine it
+# watches is the first silent one after it, so a silent machine is always found, or one of its silent neighbours). A
+# count that has not moved for silent_for s, from a machine none of whose ranks ended its run ('ended/<node>', set at a
+# rank's exit), is a machine gone: the watching rank tells its line ("node M (host) went silent") and stops, and the
+# rest follows [Note: a rank that stops on its own]. The beats count processes alive, not progress: a rank stuck in a
+# collective beats on. If node 0 is the one gone, its torchrun's store goes with it (or stops answering): a rank whose
+# store has not answered for silent_for s mid-run stops with that, each machine's first rank saying it. Before the ranks
+# meet nothing is judged (machines start apart); after a run's end no rank waits in a collective, and node 0's
+# torchrun keeps the store until every machine's torchrun is done. silent_for is what a frozen machine costs the rest
+# instead of NCCL's 10 min; it must exceed the longest time every rank of a machine can hold Python's GIL at once.
 class Stops:
     """This rank's side of [Note: a rank that stops on its own]: tell (it stops) and watch (for another's line)."""
 
@@ -152,13 +167,17 @@ class Stops:
         self.node, self.store, self.lost = os.environ.get('GROUP_RANK', '0'), None, False
         self.ended = threading.Event()  # set at exit: the watcher stops before Python does
         self.wakeup, self.signalled, self.told_ctrl_c = None, threading.Lock(), False  # [Note: a rank ended by a signal]
-        self.watching, self.first = False, False
+        self.watching, self.first, self.beats, self.answers = False, False, None, Answers(None)
         if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or self.world_size == 1:
             return
         try:
-            self.store = agent_store(timeout=datetime.timedelta(seconds=timeout))
+            self.store = self.answers.on(agent_store(timeout=datetime.timedelta(seconds=timeout)))
         except RuntimeError:  # no answer in `timeout` s (node 0's torchrun ended): nobody to tell, nobody to hear
             self.lost = True
+        if int(os.environ.get('GROUP_WORLD_SIZE', 1)) > 1:  # a job across machines: [Note: a machine gone silent]
+            self.beats = Beats(self.node, int(os.environ['GROUP_WORLD_SIZE']))
+            with contextlib.suppress(RuntimeError, AttributeError):  # (AttributeError: no store)
+                self.store.set(f'host/{self.node}', socket.gethostname())  # its name, for the line that may say it
 
     def tell(self, line, before_meeting=False):
         """Leaves this rank's line for the others (after it has said why itself); returns the line of the rank that
@@ -247,6 +266,8 @@ class Stops:
         while it waits at the rendezvous (until `met` is set), says after quiet_for seconds what for (e.g. RANK and
         WORLD_SIZE set by hand, the other ranks never started), once a machine: a wait is never silent."""
         self.watching = True
+        if self.beats is not None:  # [Note: a machine gone silent]: the watcher's store calls may never return
+            threading.Thread(target=self.watch_answers, daemon=True).start()
         try:
             self.watch_until_ended(met, quiet_for)
         finally:
@@ -255,7 +276,7 @@ class Stops:
     def watch_until_ended(self, met, quiet_for):
         says, since, told = first_on_machine(), time.monotonic(), False
         theirs, read_at = None, None  # the line it stops with, and when it read a line (None: not yet)
-        while not (self.store is None and met.is_set() and self.wakeup is None):  # (nothing to watch: a run alone)
+        while not (self.store is None and met.is_set() and self.wakeup is None and self.beats is None):  # (a run alone)
             if self.pause(1.0 if met.is_set() else min(0.5, quiet_for)):
                 return
             if self.lost and not met.is_set() and theirs is None:  # the rendezvous cannot happen
@@ -266,6 +287,8 @@ class Stops:
                 read_at = self.mark_read()
                 if not line.split(' (', 1)[0].endswith(f' on node {self.node}'):  # "rank R on node N (host) ..."
                     theirs = line  # (its own machine's line: its torchrun ends it)
+            elif met.is_set() and self.beats is not None and theirs is None and (silent := self.heartbeat()):
+                theirs, read_at = silent, time.monotonic()
             if theirs is not None and (says or time.monotonic() - read_at > 5):  # the machine's first rank says it,
                 self.stop(theirs, says)  # then its torchrun ends the others (theirs alone would end it unsaid)
             if says and not told and not met.is_set() and time.monotonic() - since >= quiet_for:
@@ -287,7 +310,7 @@ class Stops:
     def line(self):
         try:
             return self.store.get('stopped').decode() if self.store.check(['stopped']) else None
-        except RuntimeError:  # node 0's torchrun ended
+        except RuntimeError:  # node 0's torchrun ended, or its machine does not answer
             self.store, self.lost = None, True
             return None
 
@@ -296,11 +319,106 @@ class Stops:
             self.store.set(f'read/{self.rank}', '1')
         return time.monotonic()
 
+    def heartbeat(self):
+        """[Note: a machine gone silent], once the ranks met: beats, and returns the line to stop with (a silent
+        machine's, told; torchrun's store silent, unsaid), else None."""
+        if self.store is None:  # a call failed: ask again (watch_answers ends the wait once silent_for is up)
+            with contextlib.suppress(RuntimeError):
+                self.store = self.answers.on(agent_store(timeout=datetime.timedelta(seconds=self.timeout)))
+            return None
+        try:
+            silent = self.beats.beat(self.store)
+        except RuntimeError:
+            self.store, self.lost = None, True
+            return None
+        if silent is None:
+            return None
+        first = self.tell(silent)
+        if self.first and self.node == '0':  # the store ends with node 0's ranks: the others read it first (os._exit)
+            self.wait_until_read(2.0)
+        return first or silent
+
+    def watch_answers(self):
+        """[Note: a machine gone silent]: beside the watcher, whose store calls may never return (a frozen machine's
+        socket neither answers nor closes): stops the rank once torchrun's store has answered none for silent_for s,
+        each machine's first rank saying so, the others 5 s on if their torchrun has not ended them by then."""
+        says = first_on_machine()
+        while not self.ended.wait(1.0):
+            quiet = time.monotonic() - self.answers.last
+            if quiet >= self.beats.silent_for + 5 * (not says):
+                self.store = None  # (nothing of a stopping rank waits on it: a SIGTERM's line, its exit's wait)
+                self.stop(f"torchrun's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} has answered "
+                          f"nothing for {quiet:.0f} s: node 0's ranks all ended at once (its torchrun ends with them), or "
+                          "its machine is down, frozen or out of reach (node 0's log, if it has one, says which)", says)
+
     def stop(self, line, says):
         stop_once(f"rank {self.rank}: stopping: {line}" if says else None)
 
 
 STOPPING = threading.Lock()  # the watcher and the crash hook may find the line at once: one of them says it
+
+
+def silent_for():
+    """[Note: a machine gone silent]: NANOZERO_SILENT_FOR's seconds (60 if unset), None if it is not a number > 0."""
+    text = os.environ.get('NANOZERO_SILENT_FOR', '60')
+    with contextlib.suppress(ValueError):
+        if 0 < float(text) < float('inf'):
+            return float(text)
+    return None
+
+
+def silent_for_problems():
+    return [] if silent_for() else [f"NANOZERO_SILENT_FOR={os.environ['NANOZERO_SILENT_FOR']!r}: the seconds a machine "
+                                    "of the job may go silent before the others stop, a number > 0 (unset: 60)"]
+
+
+class Answers:
+    """torchrun's store, the time of its last answer kept ([Note: a machine gone silent])."""
+
+    def __init__(self, store):
+        self.store, self.last = store, time.monotonic()
+
+    def on(self, store):  # (a store connected again: the same clock)
+        self.store = store
+        return self
+
+    def __getattr__(self, name):
+        call = getattr(self.store, name)
+
+        def timed(*args):
+            answer = call(*args)
+            self.last = time.monotonic()
+            return answer
+        return timed
+
+
+class Beats:
+    """[Note: a machine gone silent]: a rank's beat, and on a machine's first rank the watch of the next machine's."""
+
+    def __init__(self, node, nodes):
+        self.silent_for = silent_for() or 60.0
+        self.every, self.node, self.next = min(5.0, self.silent_for / 6), node, str((int(node) + 1) % nodes)
+        self.due, self.count, self.moved = None, None, None  # when it beats next; the next machine's count; it moved
+
+    def beat(self, store):
+        """Beats if it is time; returns "node M (host) went silent: ..." once the count of the machine this one
+        watches has stood still for silent_for s, none of its ranks having ended its run."""
+        now = time.monotonic()
+        if self.due is not None and now < self.due:
+            return None
+        self.due = now + self.every
+        store.add(f'beat/{self.node}', 1)
+        if not first_on_machine():
+            return None
+        count = store.add(f'beat/{self.next}', 0)  # (adding 0 reads it, whether or not it beat yet)
+        if count != self.count:
+            self.count, self.moved = count, now
+        if now - self.moved < self.silent_for or store.check([f'ended/{self.next}']):
+            return None
+        host = store.get(f'host/{self.next}').decode() if store.check([f'host/{self.next}']) else 'its host unknown'
+        return (f"node {self.next} ({host}) went silent: no rank of it has beaten in torchrun's store for "
+                f"{now - self.moved:.0f} s, and none ended its run: its ranks were killed together, or its machine is "
+                "down, frozen or out of reach (its torchrun's log, if it has one, says which)")
 
 
 def stop_once(said):
@@ -353,6 +471,9 @@ def end_watch(stops, watcher):
         with contextlib.suppress(OSError):
             os.write(stops.wakeup[1], b'\0')
     watcher.join(timeout=3 * stops.timeout + 1)  # a poll's three calls
+    if stops.beats is not None and stops.store is not None and not watcher.is_alive():  # [Note: a machine gone silent]: a machine whose ranks end
+        with contextlib.suppress(RuntimeError):  # their runs is not silent
+            stops.store.set(f'ended/{stops.node}', '1')
     if stops.wakeup is not None:  # [Note: a rank ended by a signal], after the watcher: SIGTERM ends the rank at once
         if stops.first and stops.node == '0':  # (a line told as it ended: atexit runs nothing registered during exit)
             stops.wait_until_read(2.0)

@@ -10,6 +10,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import glob
+import inspect
 import os
 import re
 import signal
@@ -1041,21 +1042,40 @@ def test_the_code_every_rank_compares_is_the_source_it_runs(tmp_path, monkeypatc
     monkeypatch.delitem(sys.modules, 'mod')
 
 
-def two_nodes(args, cwd=(None, None), timeout=180, nproc=1):
+def two_nodes(args, cwd=(None, None), timeout=180, nproc=1, env=(), frozen=None):
     """Nodes 0 and 1 of nproc ranks each, on this machine (torchrun's static rendezvous at 127.0.0.1), node n running
-    train.py with args[n] in cwd[n]: ([exit codes], [(stdout, stderr)])."""
+    train.py with args[n] in cwd[n]: ([exit codes], [(stdout, stderr)]). A node that is to freeze (frozen: 0 or 1) is
+    killed, torchrun and ranks, once the other has ended."""
     port = launch.free_port()
     nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', f'--nproc_per_node={nproc}', '--nnodes=2',
                                f'--node_rank={n}', '--master_addr=127.0.0.1', f'--master_port={port}', *args[n]],
                               cwd=cwd[n], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True, env={**os.environ, 'OMP_NUM_THREADS': '1'}) for n in (0, 1)]
+                              start_new_session=True, env={**os.environ, 'OMP_NUM_THREADS': '1', **dict(env)})
+             for n in (0, 1)]
     try:
-        outs = [node.communicate(timeout=timeout) for node in nodes]
+        outs = [None, None]
+        for n in sorted((0, 1), key=lambda n: n == frozen):  # the live node first
+            if n == frozen:
+                for pid in (*children(nodes[n].pid), nodes[n].pid):  # (torchrun starts each rank in a session of its own)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            outs[n] = nodes[n].communicate(timeout=timeout)
     finally:
         for node in nodes:
             if node.poll() is None:
                 os.killpg(node.pid, 9)
     return [node.returncode for node in nodes], outs
+
+
+def children(pid):
+    """The processes whose parent is pid (Linux's /proc)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir('/proc')):
+        with contextlib.suppress(OSError):
+            with open(f'/proc/{entry}/stat') as f:  # "pid (name) state ppid ...": the name may hold spaces
+                if int(f.read().rsplit(')', 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+    return found
 
 
 def test_two_nodes_started_with_different_overrides_stop_at_the_start_in_one_line(tmp_path):
@@ -1092,17 +1112,19 @@ def test_a_machine_that_stops_before_the_ranks_meet_stops_the_other_machines_at_
                                         + said), outs[good][1][-3000:]
 
 
-def at_rank_3s_6th_forward(action):
-    """train.py as torchrun runs it, but rank 3's 6th forward first runs `action` (a line of Python; os and signal
-    imported), as a CUDA out-of-memory or a signal would come: a script to write next to the checkout."""
+def at_rank_3s_6th_forward(action, rank=3):
+    """train.py as torchrun runs it, but rank 3's (or `rank`'s) 6th forward first runs `action` (a line of Python; os,
+    signal and children imported), as a CUDA out-of-memory or a signal would come: a script to write next to the
+    checkout."""
     return f"""
-import os, runpy, signal, sys
+import contextlib, os, runpy, signal, sys
 sys.path.insert(0, os.getcwd())  # (this file is not in the checkout)
 import model
+{inspect.getsource(children)}
 forward, calls = model.GPT.forward, []
 def at_6th(self, *args, **kwargs):
     calls.append(1)
-    if len(calls) == 6 and os.environ['RANK'] == '3':
+    if len(calls) == 6 and os.environ['RANK'] == '{rank}':
         {action}
     return forward(self, *args, **kwargs)
 model.GPT.forward = at_6th
@@ -1151,6 +1173,80 @@ def test_a_rank_ended_by_a_signal_stops_the_other_machines_with_its_line(tmp_pat
     assert re.search(r"(?m)^rank 0: stopping: " + line.format(host=re.escape(socket.gethostname())), outs[0][1]), outs[0][1]
     assert outs[0][1].count('rank 0: stopping') == 1, outs[0][1]
     assert 'Traceback' not in outs[0][1].split('failed (exitcode: 1)')[0]  # (torchrun's own report follows)
+
+
+@pytest.mark.parametrize('frozen', [1, 0])
+def test_a_machine_gone_silent_stops_the_other_machines_with_a_line_that_names_it(tmp_path, frozen):
+    # [Note: a machine gone silent] (launch.py): two nodes of two ranks; at its 6th forward node `frozen`'s second rank
+    # stops its machine, torchrun and ranks (SIGSTOP: a machine frozen or cut off, whose sockets stay open). Before,
+    # the other node's ranks waited in their collective for its timeout (gloo's 30 min; NCCL's 10 min), saying nothing:
+    # nobody was left to tell. Now node 1's silence is found by node 0's beat watch, and node 0's by its store, which
+    # stops answering: the other node stops after NANOZERO_SILENT_FOR (3 s here) with a line that says which
+    script = at_rank_3s_6th_forward('[os.kill(pid, signal.SIGSTOP) for pid in (*children(os.getppid()), os.getppid()) '
+                                    'if pid != os.getpid()]; os.kill(os.getpid(), signal.SIGSTOP)', rank=2 * frozen + 1)
+    (tmp_path / 'freezing.py').write_text(script)
+    args = ['config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16',
+            '--batch_size=2', '--eval_iters=1', '--eval_interval=100', '--gradient_accumulation_steps=4',
+            '--log_interval=1', '--max_iters=50', f'--out_dir={tmp_path}/out']
+    started = time.monotonic()
+    codes, outs = two_nodes([[str(tmp_path / 'freezing.py'), *args] if n == frozen else ['train.py', *args] for n in (0, 1)],
+                            nproc=2, env={'NANOZERO_SILENT_FOR': '3'}, frozen=frozen, timeout=120)
+    live, host = 1 - frozen, re.escape(socket.gethostname())
+    said = (rf"rank 0: stopping: node 1 \({host}\) went silent: no rank of it has beaten in torchrun's store for \d+ s, "
+            "and none ended its run" if frozen else
+            r"rank 2: stopping: torchrun's store at 127\.0\.0\.1:\d+ has answered nothing for \d+ s: node 0's ranks all ended")
+    assert codes[live] == 1 and 'iter 2:' in outs[0][0] and 'iter 4:' not in outs[0][0], outs
+    assert re.search(f"(?m)^{said}", outs[live][1]) and outs[live][1].count('stopping') == 1, outs[live][1][-3000:]
+    assert 'Traceback' not in outs[live][1].split('failed (exitcode: 1)')[0]  # (torchrun's own report follows)
+    assert time.monotonic() - started < 90
+
+
+def test_a_machine_whose_ranks_ended_their_run_is_not_taken_for_silent(tmp_path):
+    # [Note: a machine gone silent]: rank 0 stays on 4 s after the run's end, where node 1's ranks end at once and beat
+    # no more. Their exit leaves 'ended/1', so node 0 does not take node 1 for a machine gone (without it, rank 0 stops
+    # 2 s on, exit code 1, with "node 1 (...) went silent")
+    (tmp_path / 'lingering.py').write_text("""
+import os, runpy, sys, time
+sys.path.insert(0, os.getcwd())  # (this file is not in the checkout)
+sys.argv = ['train.py', *sys.argv[1:]]
+try:
+    runpy.run_path(os.path.abspath('train.py'), run_name='__main__')
+finally:
+    time.sleep(4 * (os.environ['RANK'] == '0'))  # (its watcher still watches)
+""")
+    args = ['config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16',
+            '--batch_size=2', '--eval_iters=1', '--eval_interval=100', '--gradient_accumulation_steps=4',
+            '--max_iters=4', f'--out_dir={tmp_path}/out']
+    codes, outs = two_nodes([[str(tmp_path / 'lingering.py'), *args], ['train.py', *args]], nproc=2,
+                            env={'NANOZERO_SILENT_FOR': '2'})
+    assert codes == [0, 0] and 'step 4:' in outs[0][0], outs
+    assert 'stopping' not in outs[0][1] + outs[1][1], outs
+
+
+def test_each_machine_watches_the_next_ones_beats_until_its_run_ended(monkeypatch):
+    # [Note: a machine gone silent], in one process (a HashStore for torchrun's): 3 machines, each watching the next
+    # (0 -> 1 -> 2 -> 0); a machine whose count stands still for silent_for (0.4 s) is named, with its host, by the one
+    # that watches it, and by no other; one whose ranks ended their run never is
+    monkeypatch.setenv('NANOZERO_SILENT_FOR', '0.4')
+    monkeypatch.setenv('LOCAL_RANK', '0')  # (each machine's first rank watches)
+    store, beats = dist.HashStore(), [launch.Beats(str(n), 3) for n in range(3)]
+    assert [b.next for b in beats] == ['1', '2', '0'] and beats[0].every == pytest.approx(0.4 / 6)
+    for n in range(3):
+        store.set(f'host/{n}', f'host{n}')
+
+    def beat_for(seconds, nodes):
+        lines, end = [], time.monotonic() + seconds
+        while time.monotonic() < end:
+            lines += [(n, line) for n in nodes if (line := beats[n].beat(store))]
+            time.sleep(0.02)
+        return lines
+
+    assert beat_for(0.8, (0, 1, 2)) == []
+    lines = beat_for(0.8, (1, 2))  # node 0 silent
+    assert lines and {n for n, _ in lines} == {2}, lines
+    assert lines[0][1].startswith("node 0 (host0) went silent: no rank of it has beaten in torchrun's store for 0 s")
+    store.set('ended/0', '1')
+    assert beat_for(0.8, (1, 2)) == []  # its ranks ended their run
 
 
 def test_a_forked_workers_sigterm_is_not_taken_for_its_ranks():

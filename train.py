@@ -251,6 +251,7 @@ def check_config(cfg, world_size):
                         f"or 'cuda' (nccl) where torch sees a GPU (torch.cuda.is_available() is {gpu} here)")
     elif device == 'cuda':
         machine = launch.gpu_problems(cfg['device'], torch.cuda.device_count())
+    problems += launch.silent_for_problems()
     if cfg['optimizer_impl'] in ('cpu', 'cuda') and cfg['optimizer_impl'] != device:
         problems.append(f"optimizer_impl={cfg['optimizer_impl']!r} steps shards on the {cfg['optimizer_impl'].upper()}, and "
                         f"device={cfg['device']!r}: use 'auto' (the device's kernel)")
