@@ -154,11 +154,13 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
 # count that has not moved for silent_for s, from a machine none of whose ranks ended its run ('ended/<node>', set at a
 # rank's exit), is a machine gone: the watching rank tells its line ("node M (host) went silent") and stops, and the
 # rest follows [Note: a rank that stops on its own]. The beats count processes alive, not progress: a rank stuck in a
-# collective beats on. If node 0 is the one gone, its torchrun's store goes with it (or stops answering): a rank whose
-# store has not answered for silent_for s mid-run stops with that, each machine's first rank saying it. Before the ranks
-# meet nothing is judged (machines start apart); after a run's end no rank waits in a collective, and node 0's
-# torchrun keeps the store until every machine's torchrun is done. silent_for is what a frozen machine costs the rest
-# instead of NCCL's 10 min; it must exceed the longest time every rank of a machine can hold Python's GIL at once.
+# collective beats on. Counts are judged once the ranks met (machines start apart); after a run's end no rank waits in
+# a collective, and node 0's torchrun keeps the store until every machine's torchrun is done. If node 0 is the one
+# gone, its torchrun's store goes with it, and a store call to a machine that froze or fell off the network neither
+# answers nor raises (its timeout bounds waits for keys, not for answers): the watcher would wait in it for good. So
+# beside it a thread reads the time of the store's last answer, and stops the rank once the store has answered nothing
+# for silent_for s, each machine's first rank saying so. silent_for is what a frozen machine costs the rest instead of
+# NCCL's 10 min; it must exceed the longest time every rank of a machine can hold Python's GIL at once.
 class Stops:
     """This rank's side of [Note: a rank that stops on its own]: tell (it stops) and watch (for another's line)."""
 
@@ -176,8 +178,9 @@ class Stops:
             self.lost = True
         if int(os.environ.get('GROUP_WORLD_SIZE', 1)) > 1:  # a job across machines: [Note: a machine gone silent]
             self.beats = Beats(self.node, int(os.environ['GROUP_WORLD_SIZE']))
-            with contextlib.suppress(RuntimeError, AttributeError):  # (AttributeError: no store)
-                self.store.set(f'host/{self.node}', socket.gethostname())  # its name, for the line that may say it
+            with contextlib.suppress(RuntimeError):
+                if self.store is not None:  # its name, for the line that may say it
+                    self.store.set(f'host/{self.node}', socket.gethostname())
 
     def tell(self, line, before_meeting=False):
         """Leaves this rank's line for the others (after it has said why itself); returns the line of the rank that
@@ -342,9 +345,12 @@ class Stops:
         """[Note: a machine gone silent]: beside the watcher, whose store calls may never return (a frozen machine's
         socket neither answers nor closes): stops the rank once torchrun's store has answered none for silent_for s,
         each machine's first rank saying so, the others 5 s on if their torchrun has not ended them by then."""
-        says = first_on_machine()
+        says, woke = first_on_machine(), time.monotonic()
         while not self.ended.wait(1.0):
-            quiet = time.monotonic() - self.answers.last
+            if time.monotonic() - woke > 3:  # this process stood still itself (its GIL held, its machine suspended), and
+                self.answers.last = time.monotonic()  # the answer to a call may wait on it: its silence counts afresh
+            woke = time.monotonic()
+            quiet = woke - self.answers.last
             if quiet >= self.beats.silent_for + 5 * (not says):
                 self.store = None  # (nothing of a stopping rank waits on it: a SIGTERM's line, its exit's wait)
                 self.stop(f"torchrun's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} has answered "
