@@ -158,8 +158,8 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
 # a collective, and node 0's torchrun keeps the store until every machine's torchrun is done. If node 0 is the one
 # gone, its torchrun's store goes with it, and a store call to a machine that froze or fell off the network neither
 # answers nor raises (its timeout bounds waits for keys, not for answers): the watcher would wait in it for good. So
-# beside it a thread reads the time of the store's last answer, and stops the rank once the store has answered nothing
-# for silent_for s, each machine's first rank saying so. silent_for is what a frozen machine costs the rest instead of
+# beside it a thread times the watcher's calls, and stops the rank once the store has answered none of them for
+# silent_for s (a call that raises, node 0's torchrun gone, is unanswered too), each machine's first rank saying so. silent_for is what a frozen machine costs the rest instead of
 # NCCL's 10 min; it must exceed the longest time every rank of a machine can hold Python's GIL at once.
 class Stops:
     """This rank's side of [Note: a rank that stops on its own]: tell (it stops) and watch (for another's line)."""
@@ -344,13 +344,14 @@ class Stops:
     def watch_answers(self):
         """[Note: a machine gone silent]: beside the watcher, whose store calls may never return (a frozen machine's
         socket neither answers nor closes): stops the rank once torchrun's store has answered none for silent_for s,
-        each machine's first rank saying so, the others 5 s on if their torchrun has not ended them by then."""
+        each machine's first rank saying so, the others 5 s on if their torchrun has not ended them by then. A rank
+        that asks nothing (a line read, its stop under way) is never judged."""
         says, woke = first_on_machine(), time.monotonic()
         while not self.ended.wait(1.0):
-            if time.monotonic() - woke > 3:  # this process stood still itself (its GIL held, its machine suspended), and
-                self.answers.last = time.monotonic()  # the answer to a call may wait on it: its silence counts afresh
+            if time.monotonic() - woke > 3 and self.answers.asked:  # this process stood still (its GIL held, its
+                self.answers.asked = time.monotonic()  # machine suspended), an answer maybe waiting on it: afresh
             woke = time.monotonic()
-            quiet = woke - self.answers.last
+            quiet = woke - (self.answers.asked or woke)
             if quiet >= self.beats.silent_for + 5 * (not says):
                 self.store = None  # (nothing of a stopping rank waits on it: a SIGTERM's line, its exit's wait)
                 self.stop(f"torchrun's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} has answered "
@@ -379,10 +380,11 @@ def silent_for_problems():
 
 
 class Answers:
-    """torchrun's store, the time of its last answer kept ([Note: a machine gone silent])."""
+    """torchrun's store, its calls timed ([Note: a machine gone silent]): `asked` is when the first call since its
+    last answer was made (None: every call answered), a call that raised being unanswered."""
 
     def __init__(self, store):
-        self.store, self.last = store, time.monotonic()
+        self.store, self.asked = store, None
 
     def on(self, store):  # (a store connected again: the same clock)
         self.store = store
@@ -392,8 +394,9 @@ class Answers:
         call = getattr(self.store, name)
 
         def timed(*args):
+            self.asked = self.asked or time.monotonic()
             answer = call(*args)
-            self.last = time.monotonic()
+            self.asked = None
             return answer
         return timed
 
