@@ -105,6 +105,8 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
     watcher = threading.Thread(target=stops.watch, args=(met, quiet_for), daemon=True)
     watcher.start()
     atexit.register(end_watch, stops, watcher)
+    global WATCHED
+    WATCHED = stops
     try:
         dist.init_process_group(backend=backend, device_id=device if backend == 'nccl' else None,
                                 store=restart_store(), rank=rank, world_size=world_size)
@@ -147,20 +149,22 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
 #
 # [Note: a machine gone silent] A machine whose every rank ends at once leaves no line: its only rank killed, all of
 # them killed together, the machine down, frozen or cut off. So each rank of a job across machines beats: its watcher
-# adds 1 to its machine's count in torchrun's store ('beat/<node>') every silent_for / 6 s (5 s at most; silent_for is
-# NANOZERO_SILENT_FOR, 60 s by default), and each machine's first rank reads the next machine's count (node N watches
-# node N + 1, the last node 0: one read a machine, whatever the job's size; while one machine lives, some machine it
-# watches is the first silent one after it, so a silent machine is always found, or one of its silent neighbours). A
-# count that has not moved for silent_for s, from a machine none of whose ranks ended its run ('ended/<node>', set at a
-# rank's exit), is a machine gone: the watching rank tells its line ("node M (host) went silent") and stops, and the
-# rest follows [Note: a rank that stops on its own]. The beats count processes alive, not progress: a rank stuck in a
-# collective beats on. Counts are judged once the ranks met (machines start apart); after a run's end no rank waits in
-# a collective, and node 0's torchrun keeps the store until every machine's torchrun is done. If node 0 is the one
-# gone, its torchrun's store goes with it, and a store call to a machine that froze or fell off the network neither
-# answers nor raises (its timeout bounds waits for keys, not for answers): the watcher would wait in it for good. So
-# beside it a thread times the watcher's calls, and stops the rank once the store has answered none of them for
-# silent_for s (a call that raises, node 0's torchrun gone, is unanswered too), each machine's first rank saying so. silent_for is what a frozen machine costs the rest instead of
-# NCCL's 10 min; it must exceed the longest time every rank of a machine can hold Python's GIL at once.
+# adds 1 to its machine's count in torchrun's store ('beat/<node>') every silent_for / 6 s (between its 1 s poll and
+# 5 s; silent_for is NANOZERO_SILENT_FOR, 60 s by default, 2 at least), and each machine's first rank reads the next
+# machine's count (node N watches node N + 1, the last node 0: one read a machine, whatever the job's size; while one
+# machine lives, some machine it watches is the first silent one after it, so a silent machine is always found, or
+# one of its silent neighbours). A count that has not moved for silent_for s, from a machine whose ranks have not ended
+# their run ('ended/<node>', set by end_process_group once every rank is there), is a machine gone: the watching rank
+# tells its line ("node M (host) went silent") and stops, and the rest follows [Note: a rank that stops on its own].
+# The beats count processes alive, not progress: a rank stuck in a collective beats on. Counts are judged once the
+# ranks met (machines start apart); after a run's end no rank waits in a collective, and node 0's torchrun keeps the
+# store until every machine's torchrun is done. If node 0 is the one gone, its torchrun's store goes with it, and a
+# store call to a machine that froze or fell off the network neither answers nor raises (its timeout bounds waits for
+# keys, not for answers): the watcher would wait in it for good. So beside it a thread times the watcher's calls, and
+# stops the rank once the store has answered none of them for silent_for s (a call that raises, node 0's torchrun
+# gone, is unanswered too), each machine's first rank saying so; a process that stood still itself (its GIL held) is
+# given silent_for afresh. silent_for is what a frozen machine costs the rest instead of NCCL's 10 min; it must exceed
+# the longest time every rank of a machine can hold Python's GIL at once.
 class Stops:
     """This rank's side of [Note: a rank that stops on its own]: tell (it stops) and watch (for another's line)."""
 
@@ -312,7 +316,8 @@ class Stops:
 
     def line(self):
         try:
-            return self.store.get('stopped').decode() if self.store.check(['stopped']) else None
+            store = self.store
+            return store.get('stopped').decode() if store.check(['stopped']) else None
         except RuntimeError:  # node 0's torchrun ended, or its machine does not answer
             self.store, self.lost = None, True
             return None
@@ -348,35 +353,37 @@ class Stops:
         that asks nothing (a line read, its stop under way) is never judged."""
         says, woke = first_on_machine(), time.monotonic()
         while not self.ended.wait(1.0):
-            if time.monotonic() - woke > 3 and self.answers.asked:  # this process stood still (its GIL held, its
+            if time.monotonic() - woke > 1.5 and self.answers.asked:  # this process stood still (its GIL held, its
                 self.answers.asked = time.monotonic()  # machine suspended), an answer maybe waiting on it: afresh
             woke = time.monotonic()
             quiet = woke - (self.answers.asked or woke)
             if quiet >= self.beats.silent_for + 5 * (not says):
-                self.store = None  # (nothing of a stopping rank waits on it: a SIGTERM's line, its exit's wait)
                 self.stop(f"torchrun's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} has answered "
-                          f"nothing for {quiet:.0f} s: node 0's ranks all ended at once (its torchrun ends with them), or "
-                          "its machine is down, frozen or out of reach (node 0's log, if it has one, says which)", says)
+                          f"nothing for {quiet:.0f} s: node 0's torchrun ended (its ranks all ended at once, and it with "
+                          "them; or it alone), or its machine is down, frozen or out of reach (node 0's log, if it has "
+                          "one, says which)", says)
 
     def stop(self, line, says):
         stop_once(f"rank {self.rank}: stopping: {line}" if says else None)
 
 
+WATCHED = None  # this process's Stops, from start_process_group: end_process_group marks its run ended
 STOPPING = threading.Lock()  # the watcher and the crash hook may find the line at once: one of them says it
 
 
 def silent_for():
-    """[Note: a machine gone silent]: NANOZERO_SILENT_FOR's seconds (60 if unset), None if it is not a number > 0."""
+    """[Note: a machine gone silent]: NANOZERO_SILENT_FOR's seconds (60 if unset), None if it is not a number >= 2 (the
+    watcher polls once a second: a beat may come 1 s late without a machine being silent)."""
     text = os.environ.get('NANOZERO_SILENT_FOR', '60')
     with contextlib.suppress(ValueError):
-        if 0 < float(text) < float('inf'):
+        if 2 <= float(text) < float('inf'):
             return float(text)
     return None
 
 
 def silent_for_problems():
     return [] if silent_for() else [f"NANOZERO_SILENT_FOR={os.environ['NANOZERO_SILENT_FOR']!r}: the seconds a machine "
-                                    "of the job may go silent before the others stop, a number > 0 (unset: 60)"]
+                                    "of the job may go silent before the others stop, a number >= 2 (unset: 60)"]
 
 
 class Answers:
@@ -480,9 +487,6 @@ def end_watch(stops, watcher):
         with contextlib.suppress(OSError):
             os.write(stops.wakeup[1], b'\0')
     watcher.join(timeout=3 * stops.timeout + 1)  # a poll's three calls
-    if stops.beats is not None and stops.store is not None and not watcher.is_alive():  # [Note: a machine gone silent]: a machine whose ranks end
-        with contextlib.suppress(RuntimeError):  # their runs is not silent
-            stops.store.set(f'ended/{stops.node}', '1')
     if stops.wakeup is not None:  # [Note: a rank ended by a signal], after the watcher: SIGTERM ends the rank at once
         if stops.first and stops.node == '0':  # (a line told as it ended: atexit runs nothing registered during exit)
             stops.wait_until_read(2.0)
@@ -583,6 +587,9 @@ def end_process_group(device, *held, timeout=10.0):
     done = torch.ones(1, device=device)
     dist.all_reduce(done)
     done.item()  # every rank is here (NCCL returns once the all-reduce is queued: this waits for its end)
+    if WATCHED is not None and WATCHED.beats is not None and WATCHED.store is not None:  # [Note: a machine gone
+        with contextlib.suppress(RuntimeError):  # silent]: a machine whose ranks ended their run is not silent
+            WATCHED.store.set(f'ended/{WATCHED.node}', '1')
     deadline = time.monotonic() + timeout
     while dist.get_backend() == 'gloo' and any(t._use_count() > 1 for t in (done, *held)):
         if time.monotonic() > deadline:  # e.g. `held` still viewed by the caller: say so, go

@@ -9,6 +9,7 @@ import ast
 import atexit
 import concurrent.futures
 import contextlib
+import ctypes
 import glob
 import inspect
 import os
@@ -1052,18 +1053,21 @@ def two_nodes(args, cwd=(None, None), timeout=180, nproc=1, env=(), frozen=None)
                               cwd=cwd[n], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True, env={**os.environ, 'OMP_NUM_THREADS': '1', **dict(env)})
              for n in (0, 1)]
+    def kill(node):  # torchrun and its ranks (each in a session of its own), stopped or not
+        for pid in (*children(node.pid), node.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
     try:
         outs = [None, None]
         for n in sorted((0, 1), key=lambda n: n == frozen):  # the live node first
             if n == frozen:
-                for pid in (*children(nodes[n].pid), nodes[n].pid):  # (torchrun starts each rank in a session of its own)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                kill(nodes[n])
             outs[n] = nodes[n].communicate(timeout=timeout)
     finally:
         for node in nodes:
             if node.poll() is None:
-                os.killpg(node.pid, 9)
+                kill(node)
     return [node.returncode for node in nodes], outs
 
 
@@ -1194,7 +1198,8 @@ def test_a_machine_gone_silent_stops_the_other_machines_with_a_line_that_names_i
     live, host = 1 - frozen, re.escape(socket.gethostname())
     said = (rf"rank 0: stopping: node 1 \({host}\) went silent: no rank of it has beaten in torchrun's store for \d+ s, "
             "and none ended its run" if frozen else
-            r"rank 2: stopping: torchrun's store at 127\.0\.0\.1:\d+ has answered nothing for \d+ s: node 0's ranks all ended")
+            r"rank 2: stopping: torchrun's store at 127\.0\.0\.1:\d+ has answered nothing for \d+ s: node 0's torchrun "
+            "ended")
     assert codes[live] == 1 and 'iter 2:' in outs[0][0] and 'iter 4:' not in outs[0][0], outs
     assert re.search(f"(?m)^{said}", outs[live][1]) and outs[live][1].count('stopping') == 1, outs[live][1][-3000:]
     assert 'Traceback' not in outs[live][1].split('failed (exitcode: 1)')[0]  # (torchrun's own report follows)
@@ -1202,9 +1207,9 @@ def test_a_machine_gone_silent_stops_the_other_machines_with_a_line_that_names_i
 
 
 def test_a_machine_whose_ranks_ended_their_run_is_not_taken_for_silent(tmp_path):
-    # [Note: a machine gone silent]: rank 0 stays on 4 s after the run's end, where node 1's ranks end at once and beat
-    # no more. Their exit leaves 'ended/1', so node 0 does not take node 1 for a machine gone (without it, rank 0 stops
-    # 2 s on, exit code 1, with "node 1 (...) went silent")
+    # [Note: a machine gone silent]: rank 0 stays on 5 s after the run's end, where node 1's ranks end at once and beat
+    # no more. Their run's end (end_process_group) leaves 'ended/1', so node 0 does not take node 1 for a machine gone
+    # (without it, rank 0 stops 3 s on, exit code 1, with "node 1 (...) went silent")
     (tmp_path / 'lingering.py').write_text("""
 import os, runpy, sys, time
 sys.path.insert(0, os.getcwd())  # (this file is not in the checkout)
@@ -1212,25 +1217,27 @@ sys.argv = ['train.py', *sys.argv[1:]]
 try:
     runpy.run_path(os.path.abspath('train.py'), run_name='__main__')
 finally:
-    time.sleep(4 * (os.environ['RANK'] == '0'))  # (its watcher still watches)
+    time.sleep(5 * (os.environ['RANK'] == '0'))  # (its watcher still watches)
 """)
     args = ['config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16',
             '--batch_size=2', '--eval_iters=1', '--eval_interval=100', '--gradient_accumulation_steps=4',
             '--max_iters=4', f'--out_dir={tmp_path}/out']
     codes, outs = two_nodes([[str(tmp_path / 'lingering.py'), *args], ['train.py', *args]], nproc=2,
-                            env={'NANOZERO_SILENT_FOR': '2'})
+                            env={'NANOZERO_SILENT_FOR': '3'})
     assert codes == [0, 0] and 'step 4:' in outs[0][0], outs
     assert 'stopping' not in outs[0][1] + outs[1][1], outs
 
 
 def test_each_machine_watches_the_next_ones_beats_until_its_run_ended(monkeypatch):
     # [Note: a machine gone silent], in one process (a HashStore for torchrun's): 3 machines, each watching the next
-    # (0 -> 1 -> 2 -> 0); a machine whose count stands still for silent_for (0.4 s) is named, with its host, by the one
-    # that watches it, and by no other; one whose ranks ended their run never is
-    monkeypatch.setenv('NANOZERO_SILENT_FOR', '0.4')
+    # (0 -> 1 -> 2 -> 0); a machine whose count stands still for silent_for (1 s here) is named, with its host, by the
+    # one that watches it, and by no other; one whose ranks ended their run never is
+    monkeypatch.setenv('NANOZERO_SILENT_FOR', '6')
     monkeypatch.setenv('LOCAL_RANK', '0')  # (each machine's first rank watches)
     store, beats = dist.HashStore(), [launch.Beats(str(n), 3) for n in range(3)]
-    assert [b.next for b in beats] == ['1', '2', '0'] and beats[0].every == pytest.approx(0.4 / 6)
+    assert [b.next for b in beats] == ['1', '2', '0'] and beats[0].every == 1.0
+    for b in beats:  # (under the 2 s a run may take: a short test)
+        b.silent_for, b.every = 1.0, 1.0 / 6
     for n in range(3):
         store.set(f'host/{n}', f'host{n}')
 
@@ -1241,12 +1248,37 @@ def test_each_machine_watches_the_next_ones_beats_until_its_run_ended(monkeypatc
             time.sleep(0.02)
         return lines
 
-    assert beat_for(0.8, (0, 1, 2)) == []
-    lines = beat_for(0.8, (1, 2))  # node 0 silent
+    assert beat_for(1.6, (0, 1, 2)) == []
+    lines = beat_for(1.6, (1, 2))  # node 0 silent
     assert lines and {n for n, _ in lines} == {2}, lines
-    assert lines[0][1].startswith("node 0 (host0) went silent: no rank of it has beaten in torchrun's store for 0 s")
+    assert lines[0][1].startswith("node 0 (host0) went silent: no rank of it has beaten in torchrun's store for 1 s")
     store.set('ended/0', '1')
-    assert beat_for(0.8, (1, 2)) == []  # its ranks ended their run
+    assert beat_for(1.6, (1, 2)) == []  # its ranks ended their run
+
+
+def test_a_rank_that_held_its_own_gil_is_not_taken_for_cut_off_from_the_store(monkeypatch):
+    # [Note: a machine gone silent]: a store call asked just before this process holds its GIL for 2.5 s (a C call
+    # that keeps it; silent_for 2 s) cannot return until the GIL is free, and the thread that times the calls wakes
+    # before it. That thread sees it stood still itself and gives the call silent_for afresh: no stop. Without that,
+    # the rank stopped with "torchrun's store ... has answered nothing for 2 s"
+    monkeypatch.setenv('NANOZERO_SILENT_FOR', '2')
+    monkeypatch.setenv('LOCAL_RANK', '0')
+    exits = []
+    monkeypatch.setattr(launch.os, '_exit', exits.append)
+    stops = launch.Stops()
+    stops.beats = launch.Beats('0', 2)
+    watch = threading.Thread(target=stops.watch_answers)
+    watch.start()
+    try:
+        time.sleep(1.2)
+        stops.answers.asked = time.monotonic()  # a call asked, its answer on its way
+        ctypes.PyDLL(None).usleep(2_500_000)  # (PyDLL: the GIL kept for the call)
+        time.sleep(1.5)  # the timing thread's turn, before the call's thread returns
+        stops.answers.asked = None  # answered
+        assert exits == []
+    finally:
+        stops.ended.set()
+        watch.join()
 
 
 def test_a_forked_workers_sigterm_is_not_taken_for_its_ranks():
