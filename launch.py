@@ -349,7 +349,7 @@ class Stops:
     def watch_answers(self):
         """[Note: a machine gone silent]: beside the watcher, whose store calls may never return (a frozen machine's
         socket neither answers nor closes): stops the rank once torchrun's store has answered none for silent_for s,
-        each machine's first rank saying so, the others 5 s on if their torchrun has not ended them by then. A rank
+        each machine's first rank saying so, the others 2 s on if their torchrun has not ended them by then. A rank
         that asks nothing (a line read, its stop under way) is never judged."""
         says, woke = first_on_machine(), time.monotonic()
         while not self.ended.wait(1.0):
@@ -357,7 +357,7 @@ class Stops:
                 self.answers.asked = time.monotonic()  # machine suspended), an answer maybe waiting on it: afresh
             woke = time.monotonic()
             quiet = woke - (self.answers.asked or woke)
-            if quiet >= self.beats.silent_for + 5 * (not says):
+            if quiet >= self.beats.silent_for + 2 * (not says):
                 self.stop(f"torchrun's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} has answered "
                           f"nothing for {quiet:.0f} s: node 0's torchrun ended (its ranks all ended at once, and it with "
                           "them; or it alone), or its machine is down, frozen or out of reach (node 0's log, if it has "

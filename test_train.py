@@ -1185,7 +1185,7 @@ def test_a_machine_gone_silent_stops_the_other_machines_with_a_line_that_names_i
     # stops its machine, torchrun and ranks (SIGSTOP: a machine frozen or cut off, whose sockets stay open). Before,
     # the other node's ranks waited in their collective for its timeout (gloo's 30 min; NCCL's 10 min), saying nothing:
     # nobody was left to tell. Now node 1's silence is found by node 0's beat watch, and node 0's by its store, which
-    # stops answering: the other node stops after NANOZERO_SILENT_FOR (3 s here) with a line that says which
+    # stops answering: the other node stops after NANOZERO_SILENT_FOR (2 s here) with a line that says which
     script = at_rank_3s_6th_forward('[os.kill(pid, signal.SIGSTOP) for pid in (*children(os.getppid()), os.getppid()) '
                                     'if pid != os.getpid()]; os.kill(os.getpid(), signal.SIGSTOP)', rank=2 * frozen + 1)
     (tmp_path / 'freezing.py').write_text(script)
@@ -1194,7 +1194,7 @@ def test_a_machine_gone_silent_stops_the_other_machines_with_a_line_that_names_i
             '--log_interval=1', '--max_iters=50', f'--out_dir={tmp_path}/out']
     started = time.monotonic()
     codes, outs = two_nodes([[str(tmp_path / 'freezing.py'), *args] if n == frozen else ['train.py', *args] for n in (0, 1)],
-                            nproc=2, env={'NANOZERO_SILENT_FOR': '3'}, frozen=frozen, timeout=120)
+                            nproc=2, env={'NANOZERO_SILENT_FOR': '2'}, frozen=frozen, timeout=120)
     live, host = 1 - frozen, re.escape(socket.gethostname())
     said = (rf"rank 0: stopping: node 1 \({host}\) went silent: no rank of it has beaten in torchrun's store for \d+ s, "
             "and none ended its run" if frozen else
@@ -1207,9 +1207,9 @@ def test_a_machine_gone_silent_stops_the_other_machines_with_a_line_that_names_i
 
 
 def test_a_machine_whose_ranks_ended_their_run_is_not_taken_for_silent(tmp_path):
-    # [Note: a machine gone silent]: rank 0 stays on 5 s after the run's end, where node 1's ranks end at once and beat
-    # no more. Their run's end (end_process_group) leaves 'ended/1', so node 0 does not take node 1 for a machine gone
-    # (without it, rank 0 stops 3 s on, exit code 1, with "node 1 (...) went silent")
+    # [Note: a machine gone silent]: rank 0 stays on 3.5 s after the run's end, where node 1's ranks end at once and
+    # beat no more. Their run's end (end_process_group) leaves 'ended/1', so node 0 does not take node 1 for a machine
+    # gone (without it, rank 0 stops 2 s on, exit code 1, with "node 1 (...) went silent")
     (tmp_path / 'lingering.py').write_text("""
 import os, runpy, sys, time
 sys.path.insert(0, os.getcwd())  # (this file is not in the checkout)
@@ -1217,13 +1217,13 @@ sys.argv = ['train.py', *sys.argv[1:]]
 try:
     runpy.run_path(os.path.abspath('train.py'), run_name='__main__')
 finally:
-    time.sleep(5 * (os.environ['RANK'] == '0'))  # (its watcher still watches)
+    time.sleep(3.5 * (os.environ['RANK'] == '0'))  # (its watcher still watches)
 """)
     args = ['config/shakespeare_char.py', *ON_CPU, '--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16',
             '--batch_size=2', '--eval_iters=1', '--eval_interval=100', '--gradient_accumulation_steps=4',
             '--max_iters=4', f'--out_dir={tmp_path}/out']
     codes, outs = two_nodes([[str(tmp_path / 'lingering.py'), *args], ['train.py', *args]], nproc=2,
-                            env={'NANOZERO_SILENT_FOR': '3'})
+                            env={'NANOZERO_SILENT_FOR': '2'})
     assert codes == [0, 0] and 'step 4:' in outs[0][0], outs
     assert 'stopping' not in outs[0][1] + outs[1][1], outs
 
@@ -1248,12 +1248,12 @@ def test_each_machine_watches_the_next_ones_beats_until_its_run_ended(monkeypatc
             time.sleep(0.02)
         return lines
 
-    assert beat_for(1.6, (0, 1, 2)) == []
-    lines = beat_for(1.6, (1, 2))  # node 0 silent
+    assert beat_for(1.3, (0, 1, 2)) == []
+    lines = beat_for(1.3, (1, 2))  # node 0 silent
     assert lines and {n for n, _ in lines} == {2}, lines
     assert lines[0][1].startswith("node 0 (host0) went silent: no rank of it has beaten in torchrun's store for 1 s")
     store.set('ended/0', '1')
-    assert beat_for(1.6, (1, 2)) == []  # its ranks ended their run
+    assert beat_for(1.3, (1, 2)) == []  # its ranks ended their run
 
 
 def test_a_rank_that_held_its_own_gil_is_not_taken_for_cut_off_from_the_store(monkeypatch):
@@ -1270,10 +1270,9 @@ def test_a_rank_that_held_its_own_gil_is_not_taken_for_cut_off_from_the_store(mo
     watch = threading.Thread(target=stops.watch_answers)
     watch.start()
     try:
-        time.sleep(1.2)
         stops.answers.asked = time.monotonic()  # a call asked, its answer on its way
         ctypes.PyDLL(None).usleep(2_500_000)  # (PyDLL: the GIL kept for the call)
-        time.sleep(1.5)  # the timing thread's turn, before the call's thread returns
+        time.sleep(1.2)  # the timing thread's turn (once a second), before the call's thread returns
         stops.answers.asked = None  # answered
         assert exits == [] and watch.is_alive()
     finally:
