@@ -162,7 +162,8 @@ def start_process_group(device_name, backend='', quiet_for=30.0):
 # store call to a machine that froze or fell off the network neither answers nor raises (its timeout bounds waits for
 # keys, not for answers): the watcher would wait in it for good. So beside it a thread times the watcher's calls, and
 # stops the rank once the store has answered none of them for silent_for s (a call that raises, node 0's torchrun
-# gone, is unanswered too), each machine's first rank saying so; a process that stood still itself (its GIL held) is
+# gone, is unanswered too, and the watcher connects again at a third and two thirds of it: a connection reset alone
+# does not stop the job), each machine's first rank saying so; a process that stood still itself (its GIL held) is
 # given silent_for afresh. silent_for is what a frozen machine costs the rest instead of NCCL's 10 min; it must exceed
 # the longest time every rank of a machine can hold Python's GIL at once.
 class Stops:
@@ -173,7 +174,7 @@ class Stops:
         self.node, self.store, self.lost = os.environ.get('GROUP_RANK', '0'), None, False
         self.ended = threading.Event()  # set at exit: the watcher stops before Python does
         self.wakeup, self.signalled, self.told_ctrl_c = None, threading.Lock(), False  # [Note: a rank ended by a signal]
-        self.watching, self.first, self.beats, self.answers = False, False, None, Answers(None)
+        self.watching, self.first, self.beats, self.answers, self.retry_at = False, False, None, Answers(None), None
         if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or self.world_size == 1:
             return
         try:
@@ -330,9 +331,14 @@ class Stops:
     def heartbeat(self):
         """[Note: a machine gone silent], once the ranks met: beats, and returns the line to stop with (a silent
         machine's, told; torchrun's store silent, unsaid), else None."""
-        if self.store is None:  # a call failed: ask again (watch_answers ends the wait once silent_for is up)
-            with contextlib.suppress(RuntimeError):
-                self.store = self.answers.on(agent_store(timeout=datetime.timedelta(seconds=self.timeout)))
+        if self.store is None:  # a call raised: connect again twice, at a third and two thirds of silent_for (each
+            now = time.monotonic()  # try logs torch's warnings); watch_answers ends the wait once silent_for is up
+            self.retry_at = self.retry_at or now + self.beats.silent_for / 3
+            if now >= self.retry_at:
+                self.retry_at = now + self.beats.silent_for / 3
+                with contextlib.suppress(RuntimeError):
+                    store = agent_store(timeout=datetime.timedelta(seconds=self.timeout))
+                    self.store, self.retry_at = self.answers.on(store), None
             return None
         try:
             silent = self.beats.beat(self.store)

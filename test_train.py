@@ -1256,6 +1256,37 @@ def test_each_machine_watches_the_next_ones_beats_until_its_run_ended(monkeypatc
     assert beat_for(1.3, (1, 2)) == []  # its ranks ended their run
 
 
+def test_a_store_gone_mid_run_stops_the_rank_with_a_line_that_names_node_0s_torchrun(monkeypatch, capfd):
+    # [Note: a machine gone silent]: rank 2, node 1's first, mid-run, beating; then node 0's torchrun ends, its store
+    # with it, and the watcher's calls raise. Before, the watcher dropped the store and watched nothing more: under NCCL
+    # the rank would have waited in its collective for 10 min. Now it connects again twice, and after silent_for (2 s)
+    # unanswered stops, saying why
+    server = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)
+    env = dict(TORCHELASTIC_USE_AGENT_STORE='True', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(server.port), WORLD_SIZE='4',
+               LOCAL_WORLD_SIZE='2', GROUP_WORLD_SIZE='2', GROUP_RANK='1', RANK='2', LOCAL_RANK='0', NANOZERO_SILENT_FOR='2')
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    exits = []
+    monkeypatch.setattr(launch.os, '_exit', exits.append)
+    stops, met = launch.Stops(timeout=0.5), threading.Event()
+    met.set()
+    watcher = threading.Thread(target=stops.watch, args=(met, 30.0))
+    watcher.start()
+    try:
+        time.sleep(1.5)
+        assert exits == [] and dist.PrefixStore('nanozero/attempt0', server).add('beat/1', 0) >= 1  # it beats
+        del server  # node 0's torchrun ends
+        end = time.monotonic() + 10
+        while not exits and time.monotonic() < end:
+            time.sleep(0.05)
+    finally:
+        stops.ended.set()
+        watcher.join()
+    assert exits[:1] == [1]
+    assert re.search(rf"(?m)^rank 2: stopping: torchrun's store at 127\.0\.0\.1:{env['MASTER_PORT']} has answered nothing "
+                     r"for 2 s: node 0's torchrun ended \(its ranks all ended at once", capfd.readouterr().err)
+
+
 def test_a_rank_that_held_its_own_gil_is_not_taken_for_cut_off_from_the_store(monkeypatch):
     # [Note: a machine gone silent]: a store call asked just before this process holds its GIL for 2.5 s (a C call
     # that keeps it; silent_for 2 s) cannot return until the GIL is free, and the thread that times the calls wakes
