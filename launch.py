@@ -183,9 +183,6 @@ class Stops:
             self.lost = True
         if int(os.environ.get('GROUP_WORLD_SIZE', 1)) > 1:  # a job across machines: [Note: a machine gone silent]
             self.beats = Beats(self.node, int(os.environ['GROUP_WORLD_SIZE']))
-            with contextlib.suppress(RuntimeError):
-                if self.store is not None:  # its name, for the line that may say it
-                    self.store.set(f'host/{self.node}', socket.gethostname())
 
     def tell(self, line, before_meeting=False):
         """Leaves this rank's line for the others (after it has said why itself); returns the line of the rank that
@@ -276,6 +273,8 @@ class Stops:
         self.watching = True
         if self.beats is not None:  # [Note: a machine gone silent]: the watcher's store calls may never return
             threading.Thread(target=self.watch_answers, daemon=True).start()
+            with contextlib.suppress(RuntimeError, AttributeError):  # (no store: AttributeError)
+                self.store.set(f'host/{self.node}', socket.gethostname())  # its name, for a line that may say it
         try:
             self.watch_until_ended(met, quiet_for)
         finally:

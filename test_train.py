@@ -281,6 +281,19 @@ def test_impossible_settings_are_clear_errors(monkeypatch, override, message):
         train.check_config(cfg, world_size=2)
 
 
+@pytest.mark.parametrize('value', ['abc', '1', '0', '-5', 'inf', 'nan'])
+def test_a_silence_that_is_no_number_of_seconds_from_2_is_one_line_from_each_machine(monkeypatch, value):
+    # [Note: a machine gone silent]: NANOZERO_SILENT_FOR is set on each machine, so a bad one is that machine's mistake
+    # (a MachineError: said by its first rank); below 2 s a beat that comes 1 s late would stop a healthy job
+    cfg = train.parse_config(['--device=cpu'])
+    monkeypatch.setenv('NANOZERO_SILENT_FOR', value)
+    with pytest.raises(launch.MachineError, match=rf"NANOZERO_SILENT_FOR='{value}': the seconds a machine of the job may "
+                                                   r"go silent before the others stop, a number >= 2 \(unset: 60\)"):
+        train.check_config(cfg, world_size=2)
+    monkeypatch.setenv('NANOZERO_SILENT_FOR', '2')
+    train.check_config(cfg, world_size=2)
+
+
 def test_where_torch_sees_a_gpu_the_cuda_settings_are_accepted(monkeypatch):
     # check_config's CUDA branch the other way round (the refusals are the test above): a GPU stood in for, the GPU
     # settings check_config reads pass (a device with its index too), and its one refusal there (the CPU kernel for

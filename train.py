@@ -244,14 +244,13 @@ def config_problems(cfg, world_size):
 def check_config(cfg, world_size):
     """Every mistake that can be found before the process group starts, as one ValueError with the fix."""
     problems, device, gpu = config_problems(cfg, world_size), cfg['device'].split(':')[0], torch.cuda.is_available()
-    machine = []  # a GPU that is not there: set_device's "invalid device ordinal" traceback, on some ranks
+    machine = launch.silent_for_problems()  # a machine's own: its environment, a GPU it lacks ("invalid device ordinal")
     if (not re.fullmatch(r'cpu|cuda(:\d+)?', cfg['device']) or (device == 'cuda' and not gpu)
             or (cfg['backend'], device) == ('nccl', 'cpu')):
         problems.append(f"device={cfg['device']!r}{', backend=nccl' * (cfg['backend'] == 'nccl')}: use 'cpu' (gloo), "
                         f"or 'cuda' (nccl) where torch sees a GPU (torch.cuda.is_available() is {gpu} here)")
     elif device == 'cuda':
-        machine = launch.gpu_problems(cfg['device'], torch.cuda.device_count())
-    problems += launch.silent_for_problems()
+        machine += launch.gpu_problems(cfg['device'], torch.cuda.device_count())
     if cfg['optimizer_impl'] in ('cpu', 'cuda') and cfg['optimizer_impl'] != device:
         problems.append(f"optimizer_impl={cfg['optimizer_impl']!r} steps shards on the {cfg['optimizer_impl'].upper()}, and "
                         f"device={cfg['device']!r}: use 'auto' (the device's kernel)")
