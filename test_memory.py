@@ -435,7 +435,7 @@ def test_auto_never_picks_stage_0_with_a_precision_mode_that_torch_adamw_cannot_
     assert '-> stage 1, the lowest that fits' in out.stdout, out.stdout[-1500:] + out.stderr[-1500:]  # the estimator too
 
 
-def test_auto_when_nothing_fits_is_a_clear_error(monkeypatch):
+def test_auto_when_nothing_fits_is_a_clear_error(monkeypatch, tmp_path):
     cfg, args = auto_config(memory_gb=0.5 * hand_estimates(world=8)[3] / 1e9)
     with pytest.raises(ValueError, match=r"-> none fits: use more ranks, a smaller batch_size or block_size, or set "
                                          r"memory_gb$"):
@@ -447,7 +447,8 @@ def test_auto_when_nothing_fits_is_a_clear_error(monkeypatch):
     # in train.py, every rank knows at once (the least memory of any rank): one line, exit code 1, no traceback
     out = subprocess.run([sys.executable, 'train.py', 'config/shakespeare_char.py', '--device=cpu', '--dtype=float32',
                           '--zero_stage=auto', '--memory_gb=0.000001', '--n_layer=1', '--n_head=2', '--n_embd=32',
-                          '--block_size=16', '--batch_size=2'], capture_output=True, text=True, timeout=120, env=QUIET)
+                          '--block_size=16', '--batch_size=2', f'--out_dir={tmp_path}'], capture_output=True, text=True,
+                         timeout=120, env=QUIET)
     assert out.returncode == 1 and out.stderr.count('\n') == 1 and out.stderr.startswith('config error: ') and (
         'none fits: use more ranks, a smaller batch_size or block_size, or set memory_gb' in out.stderr), out.stderr
 

@@ -220,12 +220,13 @@ def test_bench_train_refuses_a_bad_nproc_or_device_before_any_job(monkeypatch):
         assert e.value.code == message  # sys.exit's: that line on stderr, exit code 1
 
 
-def test_a_world_size_without_a_rank_is_checked_as_the_one_rank_it_runs():
+def test_a_world_size_without_a_rank_is_checked_as_the_one_rank_it_runs(tmp_path):
     # WORLD_SIZE left in the environment without RANK: launch.start_process_group runs the job alone (world 1), and the
     # config is now checked at that size (before: 3 micro-steps "not divisible by the 2 ranks" of a 1-rank run)
     env = {k: v for k, v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')}
     args = ['--n_layer=1', '--n_head=2', '--n_embd=32', '--block_size=16', '--batch_size=2', '--eval_iters=1',
-            '--eval_interval=1000', '--max_iters=1', '--gradient_accumulation_steps=3', '--eval_only=True']
+            '--eval_interval=1000', '--max_iters=1', '--gradient_accumulation_steps=3', '--eval_only=True',
+            f'--out_dir={tmp_path}']
     r = subprocess.run([sys.executable, 'train.py', 'config/shakespeare_char.py', *ON_CPU, *args],
                        env={**env, 'WORLD_SIZE': '2'}, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and 'world size 1' in r.stdout, r.stderr
@@ -1286,18 +1287,23 @@ def test_a_store_gone_mid_run_stops_the_rank_with_a_line_that_names_node_0s_torc
     watcher = threading.Thread(target=stops.watch, args=(met, 30.0))
     watcher.start()
     try:
-        time.sleep(1.5)
-        assert exits == [] and dist.PrefixStore('nanozero/attempt0', server).add('beat/1', 0) >= 1  # it beats
-        del server  # node 0's torchrun ends
+        job = dist.PrefixStore('nanozero/attempt0', server)
+        for _ in range(6):  # node 0 beats meanwhile: on a loaded machine 2 s of its silence could come first
+            job.add('beat/0', 1)
+            time.sleep(0.25)
+        assert exits == [] and job.add('beat/1', 0) >= 1  # it beats
+        del server, job  # node 0's torchrun ends (the last references to its store)
         end = time.monotonic() + 10
         while not exits and time.monotonic() < end:
             time.sleep(0.05)
     finally:
         stops.ended.set()
         watcher.join()
-    assert exits[:1] == [1]
-    assert re.search(rf"(?m)^rank 2: stopping: torchrun's store at 127\.0\.0\.1:{env['MASTER_PORT']} has answered nothing "
-                     r"for 2 s: node 0's torchrun ended \(its ranks all ended at once", capfd.readouterr().err)
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith('rank 2: stopping: ')]
+    assert exits[:1] == [1] and said, said
+    quiet = re.match(rf"rank 2: stopping: torchrun's store at 127\.0\.0\.1:{env['MASTER_PORT']} has answered nothing "
+                     r"for (\d+) s: node 0's torchrun ended \(its ranks all ended at once", said[0])
+    assert quiet and int(quiet[1]) >= 2, said  # (3 s where the watch woke late: it looks once a second)
 
 
 def test_a_rank_that_held_its_own_gil_is_not_taken_for_cut_off_from_the_store(monkeypatch):
