@@ -1,27 +1,32 @@
-"""One guard over every test (pytest loads this file before the tests): a test leaves the repository's run folders
-(out*/) as it found them. A user runs the README's command (1), which trains into out-shakespeare-char/, and then the
-tests (command 2); a test that ran train.py with a config's own out_dir would find that run's checkpoints and fail
-("a checkpoint of an earlier run"), or, had it trained, would have saved into the user's run and deleted its older
+"""One guard over every test (pytest loads this file before the tests): a test leaves the repository's run folders as
+it found them. A user runs the README's command (1), which trains into out-shakespeare-char/, and then the tests
+(command 2); a test that ran train.py with a config's own out_dir would find that run's checkpoints and fail ("a
+checkpoint of an earlier run"), or, had it trained, would have saved into the user's run and deleted its older
 checkpoints (keep_last). So each test that runs train.py names an out_dir under its tmp_path, and this fixture fails
-the test that did not, naming what it changed. test_gpu.py's own folder, out-test-gpu/, is that file's to empty."""
+the test that did not, naming what it changed. The folders watched are those the configs and train.py's defaults train
+into; other out*/ folders (test_gpu.py's out-test-gpu/, .ci/gpu's logs, written while its tests run) are not runs."""
+import glob
 import os
+import re
 
 import pytest
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-OWN = {'out-test-gpu'}  # test_gpu.py writes its runs there, and empties it when imported
+RUNS = sorted({found[1] for path in [os.path.join(ROOT, 'train.py'), *glob.glob(os.path.join(ROOT, 'config', '*.py'))]
+               if (found := re.search(r"(?m)^out_dir = '([^']+)'", open(path).read()))})  # out, out-zero3, ...
 
 
 def run_folders():
-    """Every file and folder under the repository's out*/ (but OWN), with its size and time of change."""
+    """Every file and folder under the runs' folders, with its size and time of change."""
     seen = {}
-    for top in sorted(os.listdir(ROOT)):
-        if not top.startswith('out') or top in OWN or not os.path.isdir(os.path.join(ROOT, top)):
-            continue
+    for top in RUNS:
         for folder, dirs, files in os.walk(os.path.join(ROOT, top)):
             for name in [''] + files:
                 path = os.path.join(folder, name)
-                st = os.stat(path)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:  # gone since it was listed: something else writes there (it shows as changed)
+                    continue
                 seen[os.path.relpath(path, ROOT)] = (st.st_size, st.st_mtime_ns)
     return seen
 
