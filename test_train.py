@@ -1265,7 +1265,7 @@ def test_each_machine_watches_the_next_ones_beats_until_its_run_ended(monkeypatc
     assert beat_for(1.3, (0, 1, 2)) == []
     lines = beat_for(1.3, (1, 2))  # node 0 silent
     assert lines and {n for n, _ in lines} == {2}, lines
-    assert lines[0][1].startswith("node 0 (host0) went silent: no rank of it has beaten in torchrun's store for 1 s")
+    assert re.match(r"node 0 \(host0\) went silent: no rank of it has beaten in torchrun's store for [12] s", lines[0][1])
     store.set('ended/0', '1')
     assert beat_for(1.3, (1, 2)) == []  # its ranks ended their run
 
