@@ -78,6 +78,14 @@ def test_estimate_prints_the_paper_tables_exactly(psi, world):
     assert [row[5] for row in out] == sent(1)  # 2Ψ, 2Ψ, 2Ψ, 3Ψ
 
 
+def test_the_readmes_auto_line_is_the_one_the_estimator_prints():
+    # the README quotes this command's last line; it went stale once (stage 0's estimate began counting its casts,
+    # 6.52 -> 6.77 GB, and the README kept 6.52)
+    line = estimate('--config', 'config/gpt2_124m.py', '--world', '8', '--gpu_gb', '80').splitlines()[-1]
+    readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'README.md')).read()
+    assert line.startswith('zero_stage=auto: ') and f'\n{line}\n' in readme, line
+
+
 @pytest.mark.parametrize('args, message', [
     (['--params', '70e9', '--world', '0'], "--world=0: use a number above 0"),  # was a ZeroDivisionError
     (['--params', '-5', '--world', '8'], "--params=-5.0: use a number above 0"),  # was a table of negative GB
