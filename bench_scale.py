@@ -223,8 +223,10 @@ H100_FLOPS = 989e12  # dense bf16, NVIDIA's H100 SXM datasheet (model.peak_flops
 
 
 def job_peak_flops(device, cfg, speedup):
-    """The peak MFU is measured against: a known GPU's datasheet bf16 peak; on a CPU this CPU's measured matmul
-    FLOP/s times --speedup (with --speedup h100: the H100's peak)."""
+    """The peak MFU is measured against: a known GPU's datasheet bf16 peak; on a CPU this CPU's matmul FLOP/s, timed
+    in this kind's process, times --speedup. So the MFU is the fraction of this CPU's own matmul speed the step
+    reached, whatever the speedup; with --speedup h100 the peak is about the H100's 989 TFLOP/s (the factor was timed
+    in the parent process, the peak here: a few percent apart on a busy machine; the table's line prints the peak)."""
     if device.type == 'cuda':
         return model_py.peak_flops(device) or matmul_flops(device, getattr(torch, cfg['dtype']))
     return matmul_flops(device, getattr(torch, cfg['dtype'])) * (speedup or 1.0)
