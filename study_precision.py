@@ -4,13 +4,14 @@ trained one after another on the same small GPT (character-level Shakespeare), s
 compute, ZeRO-2 on 1 rank (sharding changes nothing here: every pattern is the fused step's, kernels.py).
 
     python study_precision.py             # the study: 8 patterns x 2 seeds x 3000 iterations, ~25 min on 2 cores
-    python study_precision.py --quick     # a smoke run of every pattern (what the tests run)
+    python study_precision.py --quick     # a smoke run of every pattern (what the tests run), into a temporary folder
 
 Writes assets/precision.md (the table) and assets/precision.png (val loss curves; needs matplotlib, an optional
-dependency of this script only).
+dependency of this script only); --quick writes them to a new temporary folder unless --out names one, and says where.
 """
 import argparse
 import os
+import tempfile
 import time
 
 import torch
@@ -111,8 +112,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--quick', action='store_true', help="tiny model, 20 iterations, one seed: a smoke run")
     parser.add_argument('--seeds', default='1337,1338')
-    parser.add_argument('--out', default=os.path.join(os.path.dirname(os.path.abspath(__file__)), 'assets'))
+    parser.add_argument('--out', default=None, help="where the table and plot go (default: assets/; --quick: a new "
+                                                    "temporary folder, not the study's committed table)")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = (tempfile.mkdtemp(prefix='precision-quick-') if args.quick
+                    else os.path.join(os.path.dirname(os.path.abspath(__file__)), 'assets'))
     study, seeds = (QUICK, [1337]) if args.quick else (STUDY, [int(s) for s in args.seeds.split(',')])
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(launch.free_port()))
     dist.init_process_group('gloo', rank=0, world_size=1)
@@ -132,6 +137,7 @@ def main():
         f.write(text + f"\n$ python study_precision.py{' --quick' if args.quick else ''}\n")
     plot(results, os.path.join(args.out, 'precision.png'))
     print(text)
+    print(f"wrote {os.path.join(args.out, 'precision.md')}")
     launch.end_process_group(torch.device('cpu'))  # [Note: the end of a run]
 
 

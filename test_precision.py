@@ -7,6 +7,7 @@ last, the loss head's fp16 grads, model.py alone.
 """
 import functools
 import math
+import os
 import re
 import subprocess
 import sys
@@ -314,10 +315,15 @@ def test_a_risky_combination_is_named_once_on_rank_0(tmp_path):
 
 
 def test_study_precision_quick_runs_every_pattern(tmp_path):
-    out = subprocess.run([sys.executable, 'study_precision.py', '--quick', f'--out={tmp_path}'], capture_output=True,
-                         text=True, timeout=600)
+    # with no --out, into a temporary folder of its own: before, --quick overwrote the study's committed table
+    committed = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'assets', 'precision.md')
+    before = os.stat(committed).st_mtime_ns
+    out = subprocess.run([sys.executable, 'study_precision.py', '--quick'], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, 'TMPDIR': str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line for line in (tmp_path / 'precision.md').read_text().splitlines() if line.startswith('| ') and 'pattern' not in line]
+    wrote = re.search(r'(?m)^wrote (.+)$', out.stdout)[1]
+    assert os.stat(committed).st_mtime_ns == before and wrote.startswith(f'{tmp_path}/precision-quick-'), wrote
+    rows = [line for line in open(wrote).read().splitlines() if line.startswith('| ') and 'pattern' not in line]
     assert len(rows) == 8
     remainder = next(r for r in rows if r.startswith('| remainder'))
     assert '| +0.0000 |' in remainder  # equal to the baseline, exactly
