@@ -23,7 +23,6 @@ job. --speedup (CPU) projects onto compute that much faster than this CPU's:
     python bench.py scale --world 64 --link ib400 --link eth100 --speedup h100 --kinds zero3 --set prefetch=2
 """
 import argparse
-import functools
 import json
 import os
 import re
@@ -204,7 +203,6 @@ def link_results(runs, links):
             for link in links]
 
 
-@functools.cache  # one measurement a process: --speedup h100's factor and the MFU's peak divide by the same one
 def matmul_flops(device, dtype, n=2048):
     """This device's measured matmul FLOP/s (the best of 5 n x n products): a CPU's peak, for MFU."""
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))

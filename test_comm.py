@@ -216,14 +216,6 @@ def test_bench_scale_runs_on_the_gpu_it_is_named(monkeypatch):
     assert asked == [torch.device('cuda', 1), torch.device('cuda', 0)]
 
 
-def test_with_speedup_h100_bench_scales_mfu_is_against_the_h100s_peak():
-    # the factor (H100 / this CPU's matmul) and the MFU's peak (this CPU's matmul x the factor) from one measurement:
-    # before, each timed its own, and a run's MFU was against 913 TFLOP/s, not 989 (two timings 8% apart)
-    speedup = bench_scale.parse_speedup('h100')
-    peak = bench_scale.job_peak_flops(torch.device('cpu'), {'dtype': 'float32'}, speedup)
-    assert peak == pytest.approx(bench_scale.H100_FLOPS, rel=1e-12)
-
-
 def test_on_cuda_bench_scales_mfu_peak_is_the_datasheets_else_the_gpus_measured_matmul(monkeypatch):
     # bench_scale.job_peak_flops on a GPU, model.peak_flops and matmul_flops stood in for: a listed GPU's datasheet peak
     # (--speedup is for CPUs), an unlisted one's measured matmul in the job's dtype (test_gpu.py times a real one)

@@ -1303,7 +1303,7 @@ def test_a_store_gone_mid_run_stops_the_rank_with_a_line_that_names_node_0s_torc
     assert exits[:1] == [1] and said, said
     quiet = re.match(rf"rank 2: stopping: torchrun's store at 127\.0\.0\.1:{env['MASTER_PORT']} has answered nothing "
                      r"for (\d+) s: node 0's torchrun ended \(its ranks all ended at once", said[0])
-    assert quiet and int(quiet[1]) >= 2, said  # (3 s where the watch woke late: it looks once a second)
+    assert quiet and 2 <= int(quiet[1]) <= 4, said  # (3 s where the watch woke late: it looks once a second)
 
 
 def test_a_rank_that_held_its_own_gil_is_not_taken_for_cut_off_from_the_store(monkeypatch):
